@@ -1,0 +1,132 @@
+"""What every norm of the package shares: channels-last flattening, pad masks, float32
+statistics, the affine parameters and the statistics tap.
+
+A norm sees its input as ``(N, C)`` rows (every leading axis flattened), computes its
+statistics in float32 over the valid rows, and returns the input's dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class ChannelNorm(nn.Module):
+    """Base of all norms: ``forward(x, pad_mask=None)`` on ``(..., C)`` input.
+
+    Subclasses implement ``_normalize(rows, valid)`` on float-or-input-dtype rows ``(N, C)``
+    and a boolean ``valid`` row mask (None when there is no padding) and set ``offline``.
+    """
+
+    offline: bool = False
+
+    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        self.num_features = num_features
+        self.eps = float(eps)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(num_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+        self._tap = None  # a statistics tap (unnorm.stats) while recording, else None
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.num_features:
+            raise ValueError(
+                f"{type(self).__name__} expects channels-last input (..., {self.num_features}), "
+                f"got shape {tuple(x.shape)}; move the channel axis last (e.g. x.permute(0, 2, 3, 1) "
+                "for NCHW maps)")
+        valid = None
+        if pad_mask is not None:
+            if pad_mask.shape != x.shape[:-1]:
+                raise ValueError(
+                    f"pad_mask must have the leading shape of x {tuple(x.shape[:-1])} "
+                    f"(True = padding), got {tuple(pad_mask.shape)}; transpose fairseq's (B, T) "
+                    "mask to (T, B) for time-first input")
+            valid = ~pad_mask.reshape(-1).to(torch.bool)
+        rows = x.reshape(-1, self.num_features)
+        return self._normalize(rows, valid).to(x.dtype).reshape(x.shape)
+
+    def _normalize(self, rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _affine(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """``weight * z + bias`` in float32 (z float32)."""
+        self._watch_grad(z, valid)
+        return torch.addcmul(self.bias.float(), z, self.weight.float())
+
+    def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        """When tapped, record the gradient statistic mean(g * z) with g = dL/dz."""
+        if self._tap is not None and z.requires_grad:
+            tap, z_value = self._tap, z.detach()  # detached: no graph -> hook -> z cycle
+            z.register_hook(lambda g: tap.record_grad(grad_channel_mean(g * z_value, valid)))
+
+
+class OfflineNorm(ChannelNorm):
+    """A norm whose inference is a fixed per-channel affine ``x * scale + shift``."""
+
+    offline = True
+
+    def inference_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, shift)`` in float32 such that eval output is ``x * scale + shift``."""
+        raise NotImplementedError
+
+
+class StepCounted(OfflineNorm):
+    """An offline norm with a training-step counter held on the module as a Python int.
+
+    The counter decides warm-up and window phases on the host without reading the device
+    (no ``.item()`` per step); the ``num_iters`` buffer mirrors it for checkpoints, and
+    loading a state dict resynchronises the host copy once.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        self.register_buffer("num_iters", torch.zeros((), dtype=torch.long, device=device))
+        self.step = 0
+        self.register_load_state_dict_post_hook(_sync_step)
+
+    def _advance(self) -> int:
+        self.step += 1
+        self.num_iters.add_(1)
+        return self.step
+
+    def reset_step(self) -> None:
+        """Restart the step counter (fine-tuning from other weights re-runs warm-up)."""
+        self.step = 0
+        self.num_iters.zero_()
+
+
+def _sync_step(module: StepCounted, incompatible_keys) -> None:
+    module.step = int(module.num_iters)
+
+
+def channel_mean_sq(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-channel mean of x^2 over the valid rows, in float32."""
+    rows = rows.float()
+    if valid is None:
+        return torch.linalg.vector_norm(rows, dim=0).square() / rows.shape[0]
+    weights = valid.to(rows.dtype)
+    return (weights @ rows.square()) / weights.sum().clamp_min(1)
+
+
+def grad_channel_mean(gz: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-channel mean of ``g * z`` over ALL rows, padded rows contributing zero.
+
+    The releases of UN and PowerNorm average over every position (their hosts give padding
+    zero gradient); zeroing the padded rows keeps that normaliser while making the statistic
+    independent of whatever sits at padded positions.
+    """
+    if valid is None:
+        return gz.mean(dim=0)
+    return (valid.to(gz.dtype) @ gz) / gz.shape[0]
+
+
+def window_slot(step: int, size: int) -> int:
+    """Ring-buffer slot written at step ``t`` (the releases use ``t mod M``)."""
+    return step % size

@@ -1,0 +1,96 @@
+"""Inference-time folding of offline norms (paper Algorithm 1).
+
+An offline norm in eval mode is ``x * scale + shift`` per channel. Followed by
+``Linear(W, b)`` it folds into ``W' = W * scale`` (column scaling) and ``b' = b + W @ shift``,
+exactly up to rounding, provided nothing between them breaks a per-channel affine.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .swap import replace_module
+
+
+class FoldedNorm(nn.Module):
+    """Stands where a folded norm was: the identity, accepting the norm's ``pad_mask``."""
+
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return x
+
+
+class ChannelAffine(nn.Module):
+    """A frozen per-channel affine ``x * scale + shift``: an offline norm with no linear
+    consumer to fold into."""
+
+    def __init__(self, scale: torch.Tensor, shift: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+        self.register_buffer("shift", shift)
+
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.addcmul(self.shift.to(x.dtype), x, self.scale.to(x.dtype))
+
+
+def _check_foldable(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    if not getattr(norm, "offline", False) or not hasattr(norm, "inference_affine"):
+        raise ValueError(f"{type(norm).__name__} is an online norm (its inference depends on "
+                         "each input); only offline norms (bn, mabn, pn, un) can be folded")
+    if norm.training:
+        raise RuntimeError("folding uses the inference statistics: call model.eval() first")
+    return norm.inference_affine()
+
+
+@torch.no_grad()
+def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Linear]) -> FoldedNorm:
+    """Fold ``norm`` into every linear layer that consumes its output (e.g. q, k, v).
+
+    The linears are changed in place; put the returned module where the norm was.
+    """
+    scale, shift = (t.double() for t in _check_foldable(norm))
+    if not linears:
+        raise ValueError("no linear consumer given; use to_affine(norm) for such a norm")
+    for linear in linears:
+        if not isinstance(linear, nn.Linear) or linear.in_features != scale.numel():
+            raise ValueError(f"cannot fold a {scale.numel()}-channel norm into {linear!r}: "
+                             "a consumer must be an nn.Linear with matching in_features")
+        weight = linear.weight.double()
+        bias = weight @ shift
+        if linear.bias is not None:
+            bias += linear.bias.double()
+            linear.bias.copy_(bias)
+        else:
+            linear.bias = nn.Parameter(bias.to(linear.weight.dtype))
+        linear.weight.copy_(weight * scale)
+    return FoldedNorm()
+
+
+@torch.no_grad()
+def to_affine(norm: nn.Module) -> ChannelAffine:
+    """The frozen per-channel affine of an offline norm in eval mode."""
+    scale, shift = _check_foldable(norm)
+    return ChannelAffine(scale.clone(), shift.clone())
+
+
+def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
+    """Fold each named norm of ``model`` into its named linear consumers, in place.
+
+    ``consumers`` maps a norm's module name to the names of the linear layers reading its
+    output; an empty list turns the norm into a ``ChannelAffine``. A linear layer may be
+    folded into once only. Returns the number of norms replaced.
+    """
+    seen: set[str] = set()
+    for norm_name, linear_names in consumers.items():
+        shared = seen.intersection(linear_names)
+        if shared:
+            raise ValueError(f"{sorted(shared)} would be folded twice ({norm_name} too)")
+        seen.update(linear_names)
+        norm = model.get_submodule(norm_name)
+        if linear_names:
+            folded = fold_into_linear(norm, [model.get_submodule(n) for n in linear_names])
+        else:
+            folded = to_affine(norm)
+        replace_module(model, norm_name, folded)
+    return len(consumers)

@@ -1,0 +1,84 @@
+"""One switch for every norm: ``build_norm(name, num_features, **options)``."""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .mabn import MovingAverageBatchNorm
+from .powernorm import PowerNorm
+from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
+from .unified import UnifiedNorm
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    cls: type
+    offline: bool
+    fixed: dict  # options the name implies (pn vs pn_ls)
+    description: str
+
+
+_NORMS: dict[str, NormSpec] = {
+    "ln": NormSpec(LayerNorm, False, {}, "LayerNorm"),
+    "rms": NormSpec(RMSNorm, False, {}, "RMSNorm"),
+    "bn": NormSpec(BatchNorm, True, {}, "BatchNorm over batch x tokens"),
+    "mabn": NormSpec(MovingAverageBatchNorm, True, {}, "moving-average BatchNorm"),
+    "pn": NormSpec(PowerNorm, True, {"layer_scale": False}, "PowerNorm without layer-scale"),
+    "pn_ls": NormSpec(PowerNorm, False, {"layer_scale": True}, "PowerNorm with layer-scale"),
+    "nonorm": NormSpec(NoNorm, False, {}, "identity"),
+    "un": NormSpec(UnifiedNorm, True, {}, "Unified Normalization"),
+}
+
+# Arguments hosts pass to every norm; accepted whether or not the norm uses them.
+_HOST_ARGS = ("device", "dtype")
+
+
+def available_norms() -> list[str]:
+    return list(_NORMS)
+
+
+def _spec(name: str) -> NormSpec:
+    if not isinstance(name, str) or name.lower() not in _NORMS:
+        raise ValueError(f"unknown norm {name!r}; choose one of {', '.join(_NORMS)}")
+    return _NORMS[name.lower()]
+
+
+def is_offline(name: str) -> bool:
+    """True where inference is a fixed per-channel affine (foldable into a linear layer)."""
+    return _spec(name).offline
+
+
+def norm_options(name: str) -> list[str]:
+    """The options ``build_norm(name, C, **options)`` accepts."""
+    params = inspect.signature(_spec(name).cls.__init__).parameters
+    return [p for p in params if p not in ("self", "num_features", *_HOST_ARGS)
+            and p not in _spec(name).fixed]
+
+
+def _check_options(name: str, options: dict) -> NormSpec:
+    spec = _spec(name)
+    valid = norm_options(name)
+    unknown = sorted(set(options) - set(valid) - set(_HOST_ARGS))
+    if unknown:
+        raise ValueError(f"norm {name!r} has no option(s) {', '.join(unknown)}; "
+                         f"valid options: {', '.join(valid)}")
+    return spec
+
+
+def build_norm(name: str, num_features: int, **options) -> nn.Module:
+    """Build the norm ``name`` for ``num_features`` channels; unknown options are an error."""
+    spec = _check_options(name, options)
+    return spec.cls(num_features, **spec.fixed, **options)
+
+
+def norm_layer(name: str, **options) -> Callable[..., nn.Module]:
+    """A ``norm_layer(dim, device=..., dtype=..., eps=...)`` constructor for host frameworks.
+
+    Option names are checked now, so a typo fails at configuration time, not mid-model.
+    """
+    _check_options(name, options)
+    return functools.partial(build_norm, name, **options)

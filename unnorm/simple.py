@@ -1,0 +1,110 @@
+"""The baselines that need no custom backward: LN, RMSNorm, BN and NoNorm."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .base import ChannelNorm, OfflineNorm, channel_mean_sq
+
+
+class LayerNorm(ChannelNorm):
+    """LayerNorm over the channel axis of each position (online)."""
+
+    def _normalize(self, rows, valid):
+        if self._tap is None:
+            return F.layer_norm(rows.float(), (self.num_features,), self.weight.float(),
+                                self.bias.float(), self.eps)
+        self._tap.record_act(channel_mean_sq(rows, valid))
+        return self._affine(F.layer_norm(rows.float(), (self.num_features,), eps=self.eps), valid)
+
+
+class RMSNorm(ChannelNorm):
+    """RMSNorm (Zhang and Sennrich 2019) per position (online).
+
+    Carries a bias (zeros) like the other norms, so ``swap_norms`` keeps a LayerNorm's shift.
+    """
+
+    def _normalize(self, rows, valid):
+        if self._tap is not None:
+            self._tap.record_act(channel_mean_sq(rows, valid))
+        rows = rows.float()
+        return self._affine(rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + self.eps),
+                            valid)
+
+
+class NoNorm(ChannelNorm):
+    """Identity. Keeps a frozen ``weight`` buffer because hosts (timm) read ``norm.weight``."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        del self.weight, self.bias
+        self.register_buffer("weight", torch.ones(num_features, device=device, dtype=dtype),
+                             persistent=False)
+        self.register_parameter("bias", None)
+
+    def _normalize(self, rows, valid):
+        if self._tap is None:
+            return rows
+        self._tap.record_act(channel_mean_sq(rows, valid))
+        z = rows.float().view_as(rows)  # a fresh graph node to hook, not the caller's tensor
+        self._watch_grad(z, valid)
+        return z
+
+
+class BatchNorm(OfflineNorm):
+    """BatchNorm over every valid position (batch x tokens) of channels-last input.
+
+    ``momentum`` is the paper's alpha: ``running = alpha * running + (1 - alpha) * batch``
+    (torch's BatchNorm momentum is ``1 - alpha``). Running variance is unbiased, as in torch.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
+                 device=None, dtype=None):
+        super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        self.momentum = float(momentum)
+        self.register_buffer("running_mean", torch.zeros(num_features, device=device))
+        self.register_buffer("running_var", torch.ones(num_features, device=device))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, momentum={self.momentum}"
+
+    def _normalize(self, rows, valid):
+        rows = rows.float()
+        if not self.training:
+            scale, shift = self.inference_affine()
+            return torch.addcmul(shift, rows, scale)
+        if valid is None:
+            return self._batch_norm(rows)
+        weights = valid.to(rows.dtype)
+        count = weights.sum().clamp_min(1)
+        mean = (weights @ rows) / count
+        var = (weights @ (rows - mean).square()) / count
+        with torch.no_grad():
+            alpha = self.momentum
+            self.running_mean.mul_(alpha).add_(mean, alpha=1 - alpha)
+            self.running_var.mul_(alpha).add_(var * count / (count - 1).clamp_min(1),
+                                              alpha=1 - alpha)
+        if self._tap is not None:
+            self._tap.record_act(var.detach())
+        inv_std = torch.rsqrt(var + self.eps)
+        # padded rows are normalised too, but no gradient reaches the statistics through them
+        z = torch.where(valid[:, None], (rows - mean) * inv_std,
+                        (rows - mean.detach()) * inv_std.detach())
+        return self._affine(z, valid)
+
+    def _batch_norm(self, rows):
+        """Unpadded input: torch's fused kernel (same statistics and running update)."""
+        tapped = self._tap is not None
+        if tapped:
+            self._tap.record_act(rows.detach().var(dim=0, unbiased=False))
+        out = F.batch_norm(rows, self.running_mean, self.running_var,
+                           None if tapped else self.weight.float(),
+                           None if tapped else self.bias.float(), training=True,
+                           momentum=1 - self.momentum, eps=self.eps)
+        return self._affine(out, None) if tapped else out
+
+    def inference_affine(self):
+        scale = self.weight.float() * torch.rsqrt(self.running_var + self.eps)
+        return scale, self.bias.float() - scale * self.running_mean

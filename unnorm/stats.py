@@ -1,0 +1,81 @@
+"""Statistics taps: per-step activation and gradient statistics of every norm, for analysis.
+
+While recording, each norm appends, per training step, its activation statistic (the
+per-channel second moment it computed: s_t for UN/MABN/PN, the batch variance for BN, mean
+x^2 for per-position norms), its gradient statistic (per-channel mean of g * z) and, for UN,
+MABN and PN, the outlier-skip flag. They stay on the device until ``flush()`` hands them
+over as CPU tensors, so recording adds no host synchronisation between flushes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .base import ChannelNorm
+
+
+class LayerTap:
+    """The pending per-step statistics of one norm layer."""
+
+    def __init__(self):
+        self.act: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor] = []
+        self.skip: list[torch.Tensor] = []
+
+    def record_act(self, value: torch.Tensor) -> None:
+        self.act.append(value.detach().float().clone())
+
+    def record_grad(self, value: torch.Tensor) -> None:
+        self.grad.append(value.detach().float().clone())
+
+    def record_skip(self, value: torch.Tensor) -> None:
+        self.skip.append(value.detach().clone())
+
+    def take(self) -> dict[str, torch.Tensor]:
+        chunk = {key: torch.stack(values).cpu()
+                 for key, values in (("act", self.act), ("grad", self.grad), ("skip", self.skip))
+                 if values}
+        self.act, self.grad, self.skip = [], [], []
+        return chunk
+
+
+class StatisticsRecorder:
+    """Taps every norm of a model; use as a context manager or call ``close()``.
+
+    ``flush()`` returns ``{layer_name: {"act": (T, C), "grad": (T, C), "skip": (T,)}}`` for
+    the steps since the last flush (T may differ between act and grad if a backward is
+    pending).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.layers = {name: module for name, module in model.named_modules()
+                       if isinstance(module, ChannelNorm)}
+        if not self.layers:
+            raise ValueError("the model has no unnorm norm layer to record; build it with "
+                             "unnorm.build_norm / swap_norms first")
+        for module in self.layers.values():
+            if module._tap is not None:
+                raise RuntimeError("this model is already being recorded")
+            module._tap = LayerTap()
+
+    def flush(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: module._tap.take() for name, module in self.layers.items()
+                if module._tap is not None}
+
+    def close(self) -> None:
+        for module in self.layers.values():
+            module._tap = None
+
+    def __enter__(self) -> "StatisticsRecorder":
+        return self
+
+    def __exit__(self, *exc) -> Optional[bool]:
+        self.close()
+        return None
+
+
+def record_statistics(model: nn.Module) -> StatisticsRecorder:
+    """Start recording the statistics of every norm in ``model``."""
+    return StatisticsRecorder(model)
