@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -106,13 +107,57 @@ def _sync_step(module: StepCounted, incompatible_keys) -> None:
     module.step = int(module.num_iters)
 
 
-def channel_mean_sq(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per-channel mean of x^2 over the valid rows, in float32."""
+def replicas_active(sync: bool) -> bool:
+    """True when statistics are to be summed across data-parallel replicas."""
+    return sync and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sum_over_replicas(*tensors: torch.Tensor, differentiable: bool = False) -> list[torch.Tensor]:
+    """All-reduce (sum) small per-channel tensors in one collective."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if differentiable:
+        flat = _AllReduceSum.apply(flat)
+    else:
+        dist.all_reduce(flat)
+    return list(flat.split([t.numel() for t in tensors]))
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over replicas whose gradient is the sum of every replica's gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def channel_sum_sq(rows: torch.Tensor, valid: Optional[torch.Tensor],
+                   sync: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel sum of x^2 over the valid rows (of every replica with ``sync``) and their
+    count, in float32."""
     rows = rows.float()
     if valid is None:
-        return torch.linalg.vector_norm(rows, dim=0).square() / rows.shape[0]
-    weights = valid.to(rows.dtype)
-    return (weights @ rows.square()) / weights.sum().clamp_min(1)
+        total = torch.linalg.vector_norm(rows, dim=0).square()
+        count = torch.full((1,), float(rows.shape[0]), device=rows.device)
+    else:
+        weights = valid.to(rows.dtype)
+        total, count = weights @ rows.square(), weights.sum().reshape(1)
+    if replicas_active(sync):
+        total, count = sum_over_replicas(total, count)
+    return total, count.clamp_min(1)
+
+
+def channel_mean_sq(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-channel mean of x^2 over the valid rows, in float32."""
+    total, count = channel_sum_sq(rows, valid)
+    return total / count
 
 
 def grad_channel_mean(gz: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:

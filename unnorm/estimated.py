@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .base import StepCounted, channel_mean_sq
+from .base import StepCounted, channel_sum_sq, replicas_active, sum_over_replicas
 
 
 @dataclass
@@ -55,8 +55,9 @@ class EstimatedNorm(StepCounted):
     inference_stat = "running_var"  # the buffer eval mode divides by
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
-                 warmup_iters: int = 0, device=None, dtype=None):
+                 warmup_iters: int = 0, sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        self.sync_stats = bool(sync_stats)  # sum statistics over data-parallel replicas
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
         if warmup_iters < 0:
@@ -86,7 +87,7 @@ class EstimatedNorm(StepCounted):
         """Update the backward state with this step's q_t and return psi."""
         raise NotImplementedError
 
-    def _observe_corrected_gradient(self, grad_stat, psi, second_moment, valid, rows, plan):
+    def _observe_corrected_gradient(self, grad_stat, psi, second_moment, valid_fraction, plan):
         """Hook for PN, whose gradient EMA follows the corrected gradient ``g - z * psi``."""
 
 
@@ -98,7 +99,8 @@ class _EstimatedNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, bias, norm: EstimatedNorm, valid):
-        second_moment = channel_mean_sq(rows, valid)
+        total, count = channel_sum_sq(rows, valid, norm.sync_stats)
+        second_moment = total / count
         plan = norm._plan_step(second_moment)
         if norm._tap is not None:
             norm._tap.record_act(second_moment)
@@ -109,7 +111,7 @@ class _EstimatedNormFunction(torch.autograd.Function):
         if norm.r_in_forward and plan.r is not None:
             scale = scale * plan.r
         ctx.norm, ctx.plan = norm, plan
-        ctx.second_moment = second_moment
+        ctx.second_moment, ctx.valid_count = second_moment, count
         ctx.save_for_backward(rows, valid, weight)
         return torch.addcmul(bias.float(), rows.float(), scale)
 
@@ -123,12 +125,15 @@ class _EstimatedNormFunction(torch.autograd.Function):
         dy_x = dy * x
         sum_dy_z = dy_x.sum(dim=0) * inv_std                       # sum(dy * z)
         valid_dy_z = sum_dy_z if valid is None else (valid.to(x.dtype) @ dy_x) * inv_std
-        grad_stat = valid_dy_z * (weight.float() * r) / x.shape[0]  # mean(g * z), g = dy w r
+        positions = torch.full((1,), float(x.shape[0]), device=x.device)
+        if replicas_active(norm.sync_stats):
+            valid_dy_z, positions = sum_over_replicas(valid_dy_z, positions)
+        grad_stat = valid_dy_z * (weight.float() * r) / positions  # mean(g * z), g = dy w r
         if norm._tap is not None:
             norm._tap.record_grad(grad_stat)
         psi = norm._gradient_estimate(grad_stat, plan)
-        norm._observe_corrected_gradient(grad_stat, psi, ctx.second_moment, valid, x.shape[0],
-                                         plan)
+        norm._observe_corrected_gradient(grad_stat, psi, ctx.second_moment,
+                                         ctx.valid_count / positions, plan)
         # dx = (g - z * psi) * inv_std_bwd
         dx = (dy * (weight.float() * r * plan.inv_std_bwd)
               - x * (inv_std * psi * plan.inv_std_bwd))

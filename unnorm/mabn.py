@@ -19,9 +19,10 @@ class MovingAverageBatchNorm(EstimatedNorm):
     r_in_forward = True
 
     def __init__(self, num_features: int, window_size: int = 16, warmup_iters: int = 100,
-                 momentum: float = 0.98, eps: float = 1e-5, device=None, dtype=None):
+                 momentum: float = 0.98, eps: float = 1e-5, sync_stats: bool = False,
+                 device=None, dtype=None):
         super().__init__(num_features, eps=eps, momentum=momentum, warmup_iters=warmup_iters,
-                         device=device, dtype=dtype)
+                         sync_stats=sync_stats, device=device, dtype=dtype)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size must be a positive int, got {window_size!r}")
         self.register_buffer("running_var", torch.ones(num_features, device=device))

@@ -23,9 +23,9 @@ class PowerNorm(EstimatedNorm):
 
     def __init__(self, num_features: int, warmup_iters: int = 10000, momentum: float = 0.9,
                  momentum_bwd: float = 0.9, eps: float = 1e-5, layer_scale: bool = False,
-                 group_num: int = 1, device=None, dtype=None):
+                 group_num: int = 1, sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, momentum=momentum, warmup_iters=warmup_iters,
-                         device=device, dtype=dtype)
+                         sync_stats=sync_stats, device=device, dtype=dtype)
         if layer_scale and (group_num < 1 or num_features % group_num):
             raise ValueError(f"group_num must divide num_features ({num_features}), got {group_num}")
         self.momentum_bwd = float(momentum_bwd)
@@ -72,8 +72,7 @@ class PowerNorm(EstimatedNorm):
     def _gradient_estimate(self, q, plan):
         return (1 - self.momentum_bwd) * self.ema_grad
 
-    def _observe_corrected_gradient(self, grad_stat, psi, second_moment, valid, rows, plan):
+    def _observe_corrected_gradient(self, grad_stat, psi, second_moment, valid_fraction, plan):
         # ema += mean((g - z psi) z) = q - psi * mean(z^2), means over all rows, pads zero
-        valid_fraction = 1.0 if valid is None else valid.float().sum() / rows
         mean_z_sq = plan.inv_std.square() * second_moment * valid_fraction
         self.ema_grad.add_(grad_stat - psi * mean_z_sq)

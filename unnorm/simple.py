@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import ChannelNorm, OfflineNorm, channel_mean_sq
+from .base import ChannelNorm, OfflineNorm, channel_mean_sq, replicas_active, sum_over_replicas
 
 
 class LayerNorm(ChannelNorm):
@@ -61,9 +61,10 @@ class BatchNorm(OfflineNorm):
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
-                 device=None, dtype=None):
+                 sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.momentum = float(momentum)
+        self.sync_stats = bool(sync_stats)  # statistics over all data-parallel replicas
         self.register_buffer("running_mean", torch.zeros(num_features, device=device))
         self.register_buffer("running_var", torch.ones(num_features, device=device))
 
@@ -75,12 +76,19 @@ class BatchNorm(OfflineNorm):
         if not self.training:
             scale, shift = self.inference_affine()
             return torch.addcmul(shift, rows, scale)
-        if valid is None:
+        sync = replicas_active(self.sync_stats)
+        if valid is None and not sync:
             return self._batch_norm(rows)
-        weights = valid.to(rows.dtype)
-        count = weights.sum().clamp_min(1)
-        mean = (weights @ rows) / count
-        var = (weights @ (rows - mean).square()) / count
+        weights = torch.ones_like(rows[:, 0]) if valid is None else valid.to(rows.dtype)
+        total, count = weights @ rows, weights.sum().reshape(1)
+        if sync:  # differentiable: every replica's rows receive the statistics' gradient
+            total, count = sum_over_replicas(total, count, differentiable=True)
+        count = count.clamp_min(1)
+        mean = total / count
+        var = weights @ (rows - mean).square()
+        if sync:
+            (var,) = sum_over_replicas(var, differentiable=True)
+        var = var / count
         with torch.no_grad():
             alpha = self.momentum
             self.running_mean.mul_(alpha).add_(mean, alpha=1 - alpha)
@@ -89,9 +97,9 @@ class BatchNorm(OfflineNorm):
         if self._tap is not None:
             self._tap.record_act(var.detach())
         inv_std = torch.rsqrt(var + self.eps)
-        # padded rows are normalised too, but no gradient reaches the statistics through them
-        z = torch.where(valid[:, None], (rows - mean) * inv_std,
-                        (rows - mean.detach()) * inv_std.detach())
+        z = (rows - mean) * inv_std
+        if valid is not None:  # padded rows are normalised, but add no gradient to statistics
+            z = torch.where(valid[:, None], z, (rows - mean.detach()) * inv_std.detach())
         return self._affine(z, valid)
 
     def _batch_norm(self, rows):

@@ -35,9 +35,9 @@ class UnifiedNorm(EstimatedNorm):
                  outlier_filtration: bool = False, outlier_threshold: Optional[float] = None,
                  outlier_var_per_channel: bool = False, fwd_gm: bool = True,
                  bwd_am: bool = True, bwd_ema: bool = True, grad_compensation: bool = True,
-                 device=None, dtype=None):
+                 sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, momentum=momentum, warmup_iters=warmup_iters,
-                         device=device, dtype=dtype)
+                         sync_stats=sync_stats, device=device, dtype=dtype)
         fwd_size, bwd_size = _window_pair(window_size)
         self.outlier_filtration = bool(outlier_filtration)
         self.outlier_threshold = float(fwd_size if outlier_threshold is None else outlier_threshold)
