@@ -1,0 +1,128 @@
+"""What every training path writes and watches: run directory, metrics, result, collapse.
+
+Each run owns a directory with the resolved ``config.yaml``, ``metrics.jsonl`` (one JSON
+object per logged step or epoch) and ``result.json`` (final metrics and status, ``ok`` or
+``FAIL`` with the step and reason). Training paths of every framework share this format,
+so ``scripts/make_tables.py`` reads them all alike.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+def git_commit() -> str:
+    """The commit of this checkout (with ``+dirty`` when it has local changes)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+class TrainingCollapsed(RuntimeError):
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"training collapsed at step {step}: {reason}")
+        self.step, self.reason = step, reason
+
+
+class CollapseDetector:
+    """Flags a non-finite loss, or a smoothed loss above ``loss_multiple`` times its running
+    minimum, at the exact step, while reading the device only every ``check_every`` steps."""
+
+    def __init__(self, loss_multiple: float = 5.0, ema: float = 0.9, min_steps: int = 50,
+                 check_every: int = 20):
+        self.loss_multiple, self.ema, self.min_steps = loss_multiple, ema, min_steps
+        self.check_every = max(1, check_every)
+        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.smoothed: Optional[float] = None
+        self.best = math.inf
+        self.last_loss = math.nan
+
+    def update(self, step: int, loss: torch.Tensor) -> None:
+        """Queue this step's loss; every ``check_every`` steps, test the queued ones."""
+        self.pending.append((step, loss.detach().float().reshape(())))
+        if len(self.pending) >= self.check_every:
+            self.check()
+
+    def check(self) -> None:
+        """Test the queued losses now (one host read); raises ``TrainingCollapsed``."""
+        if not self.pending:
+            return
+        values = torch.stack([loss for _, loss in self.pending]).cpu().tolist()
+        steps = [step for step, _ in self.pending]
+        self.pending = []
+        for step, value in zip(steps, values):
+            if not math.isfinite(value):
+                raise TrainingCollapsed(step, f"non-finite loss ({value})")
+            self.last_loss = value
+            self.smoothed = value if self.smoothed is None else (
+                self.ema * self.smoothed + (1 - self.ema) * value)
+            if step >= self.min_steps and self.smoothed > self.loss_multiple * self.best:
+                raise TrainingCollapsed(step, f"loss diverged: smoothed {self.smoothed:.4g} > "
+                                              f"{self.loss_multiple} x minimum {self.best:.4g}")
+            self.best = min(self.best, self.smoothed)
+
+    def state_dict(self) -> dict:
+        return {"smoothed": self.smoothed, "best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.smoothed, self.best = state["smoothed"], state["best"]
+
+
+class RunDirectory:
+    """The files of one run; only the main process (rank 0) writes."""
+
+    def __init__(self, path: Path, writer: bool = True):
+        self.path = Path(path)
+        self.writer = writer
+        if writer:
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def result_path(self) -> Path:
+        return self.path / RESULT_FILE
+
+    def write_config(self, resolved_yaml: str) -> None:
+        if self.writer:
+            (self.path / "config.yaml").write_text(resolved_yaml)
+
+    def log(self, **metrics: Any) -> None:
+        if self.writer:
+            with open(self.path / METRICS_FILE, "a") as f:
+                f.write(json.dumps({"time": time.time(), **metrics}) + "\n")
+
+    def write_result(self, *, status: str, metrics: dict, meta: dict,
+                     fail: Optional[TrainingCollapsed] = None) -> dict:
+        result = {"status": status, **meta, "metrics": metrics,
+                  "fail_step": fail.step if fail else None,
+                  "fail_reason": fail.reason if fail else None,
+                  "git_commit": git_commit(), "host": platform.node(),
+                  "torch": torch.__version__, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if self.writer:
+            tmp = self.result_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result, indent=2))
+            os.replace(tmp, self.result_path)
+        return result
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temporary file so a kill never leaves a torn checkpoint."""
+    tmp = Path(path).with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

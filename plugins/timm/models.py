@@ -1,0 +1,87 @@
+"""timm models with our norms, and their fold plans (which linear reads each norm)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import timm
+import torch
+from omegaconf import OmegaConf
+from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+from torch import nn
+
+import unnorm
+
+from .t2t_vit import T2TViT
+
+
+def norm_options(norm_cfg: Mapping) -> dict:
+    """The ``build_norm`` options of a norm config (everything but its name)."""
+    if not isinstance(norm_cfg, dict):
+        norm_cfg = OmegaConf.to_container(norm_cfg, resolve=True)
+    return {key: value for key, value in norm_cfg.items() if key != "name"}
+
+
+def create_classifier(timm_name: str, norm_cfg: Mapping, num_classes: int, img_size: int,
+                      **kwargs) -> nn.Module:
+    """``timm.create_model`` with every norm layer built as ``norm_cfg`` says."""
+    norm_layer = unnorm.norm_layer(norm_cfg["name"], **norm_options(norm_cfg))
+    return timm.create_model(timm_name, pretrained=False, num_classes=num_classes,
+                             img_size=img_size, norm_layer=norm_layer, **kwargs)
+
+
+def model_from_config(cfg) -> nn.Module:
+    """The classifier a run config describes (``model``, ``norm``, ``data.num_classes``)."""
+    kwargs = cfg.model.kwargs
+    if not isinstance(kwargs, dict):
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    return create_classifier(cfg.model.timm_name, cfg.norm, cfg.data.num_classes,
+                             cfg.model.img_size, **kwargs)
+
+
+def _swin_block_pads(block: SwinTransformerBlock) -> bool:
+    height, width = block.input_resolution
+    return bool(height % block.window_size[0] or width % block.window_size[1])
+
+
+def fold_plan(model: nn.Module) -> dict[str, list[str]]:
+    """Map each norm of a Swin or T2T-ViT to the linear layers reading its output.
+
+    Empty lists mark norms that become a frozen affine: Swin's patch-embedding norm (it feeds
+    the residual stream) and block norms whose windows are zero-padded after the norm (the
+    padded tokens would see the folded bias, and Swin does not mask them).
+    """
+    plan: dict[str, list[str]] = {}
+    if isinstance(model, SwinTransformer):
+        plan["patch_embed.norm"] = []
+        for name, module in model.named_modules():
+            if isinstance(module, SwinTransformerBlock):
+                plan[f"{name}.norm1"] = [] if _swin_block_pads(module) else [f"{name}.attn.qkv"]
+                plan[f"{name}.norm2"] = [f"{name}.mlp.fc1"]
+            elif name.endswith("downsample") and hasattr(module, "reduction"):
+                plan[f"{name}.norm"] = [f"{name}.reduction"]
+        plan["norm"] = ["head.fc"]  # global average pooling commutes with the affine
+    elif isinstance(model, T2TViT):
+        layers = ["tokens_to_token.layer1", "tokens_to_token.layer2"]
+        layers += [f"blocks.{i}" for i in range(len(model.blocks))]
+        for name in layers:
+            plan[f"{name}.norm1"] = [f"{name}.attn.qkv"]
+            plan[f"{name}.norm2"] = [f"{name}.mlp.fc1"]
+        plan["norm"] = ["head"]  # the class token is selected: a per-channel affine commutes
+    else:
+        raise TypeError(f"no fold plan for {type(model).__name__}; write one mapping each norm "
+                        "to the linear layers that read it (unnorm.fold_norms)")
+    present = {name for name, module in model.named_modules()
+               if isinstance(module, unnorm.ChannelNorm)}
+    if present != set(plan):
+        raise RuntimeError(f"fold plan and model disagree: plan misses {sorted(present - set(plan))}, "
+                           f"model lacks {sorted(set(plan) - present)}")
+    return plan
+
+
+@torch.no_grad()
+def fold_model(model: nn.Module) -> dict[str, int]:
+    """Fold every offline norm of an eval-mode model in place; returns what was done."""
+    plan = fold_plan(model)
+    unnorm.fold_norms(model, plan)
+    return {"folded": sum(1 for linears in plan.values() if linears),
+            "affine": sum(1 for linears in plan.values() if not linears)}

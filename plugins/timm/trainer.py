@@ -1,0 +1,375 @@
+"""Image classification training with timm's optimizer, scheduler, augmentation, mixup and EMA.
+
+Runs on one process or under ``torchrun`` (DDP). Checkpoints every epoch to ``last.pt`` and
+resumes from it; a collapse ends the run cleanly with ``status: FAIL`` in ``result.json``.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3, accuracy, dispatch_clip_grad
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+import unnorm
+from plugins.logger import make_logger
+from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, save_atomic
+
+from .data import build_datasets
+from .models import model_from_config, norm_options
+
+CHECKPOINT = "last.pt"
+
+
+def effective_config(cfg: DictConfig) -> DictConfig:
+    """Apply ``scale`` (e.g. cpu) to a copy of the config: the model's small variant, the
+    embedded data, a short schedule and shrunk norm warm-ups."""
+    cfg = cfg.copy()
+    scale = cfg.scale
+    was_struct = OmegaConf.is_struct(cfg)
+    OmegaConf.set_struct(cfg, False)
+    if scale.name != "full":
+        cfg.model = OmegaConf.merge(cfg.model, cfg.model.get(scale.name) or {})
+        cfg.recipe = OmegaConf.merge(cfg.recipe, cfg.recipe.get(scale.name) or {})
+    if scale.data:
+        cfg.data = OmegaConf.merge(cfg.data, OmegaConf.load(_config_dir() / "data" / f"{scale.data}.yaml"))
+    if scale.norm_warmup_iters is not None and "warmup_iters" in cfg.norm:
+        cfg.norm.warmup_iters = scale.norm_warmup_iters
+    OmegaConf.set_struct(cfg, was_struct)
+    return cfg
+
+
+def _config_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+class Distributed:
+    """Process-group facts for one process (a single process when not under torchrun)."""
+
+    def __init__(self, device_name: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_name == "auto":
+            device_name = "cuda" if torch.cuda.is_available() else "cpu"
+        if device_name == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu")
+        self.device = torch.device(f"cuda:{local}" if device_name == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+            tensor /= self.world
+        return tensor
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: float) -> list[dict]:
+    """Decay matrices only (not biases, norms, tokens); scale the backbone's lr if asked."""
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    head = {id(p) for p in model.get_classifier().parameters()}
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = param.ndim > 1 and name not in skip
+        groups.setdefault((decay, id(param) in head), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0,
+             "lr_scale": 1.0 if is_head else backbone_lr_ratio}
+            for (decay, is_head), params in groups.items()]
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _load_init(model: nn.Module, path: str, reset_steps: bool) -> str:
+    """Initialise from one of our checkpoints; a classifier of another size is left new."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"init_from checkpoint not found: {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = state.get("model_ema") or state.get("model") or state
+    own = model.state_dict()
+    head = {k for k in state if k in own and state[k].shape != own[k].shape}
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in head},
+                                                strict=False)
+    if unexpected or set(missing) - head:
+        raise RuntimeError(f"{path} does not fit this model: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    if reset_steps:
+        unnorm.reset_steps(model)
+    return f"{path} (new: {sorted(head)})" if head else path
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, world: Distributed, amp) -> dict:
+    model.eval()
+    totals = torch.zeros(3, device=world.device)  # correct@1, correct@5, count
+    for images, targets in loader:
+        images, targets = images.to(world.device), targets.to(world.device)
+        with amp():
+            logits = model(images)
+        top1, top5 = accuracy(logits.float(), targets, topk=(1, min(5, logits.shape[1])))
+        totals += torch.stack([top1 * len(targets) / 100, top5 * len(targets) / 100,
+                               torch.tensor(float(len(targets)), device=world.device)])
+    totals = world.sum(totals)
+    return {"top1": (100 * totals[0] / totals[2]).item(), "top5": (100 * totals[1] / totals[2]).item()}
+
+
+def _amp_context(cfg, device: torch.device):
+    if not cfg.amp or device.type != "cuda":
+        return nullcontext, None
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
+
+
+def train(cfg: DictConfig, out_dir: Path) -> dict:
+    """Train and evaluate one run; returns the ``result.json`` content."""
+    cfg = effective_config(cfg)
+    world = Distributed(cfg.device)
+    try:
+        return _train(cfg, Path(out_dir), world)
+    finally:
+        world.close()
+
+
+def _train(cfg: DictConfig, out_dir: Path, world: Distributed) -> dict:
+    recipe, device = cfg.recipe, world.device
+    run = RunDirectory(out_dir, writer=world.main)
+    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
+    _seed(cfg.seed + world.rank)
+
+    train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
+    if recipe.batch_size % world.world:
+        raise ValueError(f"batch_size {recipe.batch_size} is not divisible by {world.world} replicas")
+    batch = recipe.batch_size // world.world
+    sampler = (torch.utils.data.DistributedSampler(train_set, seed=cfg.seed, drop_last=True)
+               if world.world > 1 else None)
+    val_sampler = (torch.utils.data.DistributedSampler(val_set, shuffle=False)
+                   if world.world > 1 else None)
+    loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
+                   "persistent_workers": cfg.scale.num_workers > 0}
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, sampler=val_sampler,
+                                             **loader_args)
+    steps_per_epoch = len(train_set) // recipe.batch_size
+    if cfg.scale.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.scale.max_steps_per_epoch)
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch_size {recipe.batch_size} exceeds the {len(train_set)} training images")
+
+    num_classes = cfg.data.num_classes
+    model = model_from_config(cfg).to(device)
+    init = "scratch"
+    if cfg.init_from:
+        init = _load_init(model, cfg.init_from, cfg.reset_norm_steps)
+    elif recipe.requires_init and cfg.scale.name == "full":
+        raise ValueError(f"recipe {recipe.name} fine-tunes: pass init_from=<checkpoint of the "
+                         "ImageNet run> (runs/<exp>/<time>/last.pt)")
+    if world.main:
+        print(f"{cfg.exp_name}: {cfg.model.timm_name} with {cfg.norm.name} on {cfg.data.name} "
+              f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
+    ema = ModelEmaV3(model, decay=recipe.model_ema.decay) if recipe.model_ema.enabled else None
+
+    lr = recipe.lr * recipe.batch_size / recipe.lr_batch
+    optimizer = create_optimizer_v2(
+        _param_groups(model, recipe.weight_decay, recipe.backbone_lr_ratio), opt=recipe.opt,
+        lr=lr, weight_decay=recipe.weight_decay, momentum=recipe.momentum)
+    scheduler, epochs = create_scheduler_v2(
+        optimizer, sched=recipe.sched, num_epochs=recipe.epochs, warmup_epochs=recipe.warmup_epochs,
+        warmup_lr=recipe.warmup_lr, min_lr=recipe.min_lr, updates_per_epoch=steps_per_epoch)
+    mixup = (Mixup(**OmegaConf.to_container(recipe.mixup), label_smoothing=recipe.label_smoothing, num_classes=num_classes)
+             if recipe.mixup else None)
+    if mixup:
+        criterion = SoftTargetCrossEntropy()
+    elif recipe.label_smoothing:
+        criterion = LabelSmoothingCrossEntropy(recipe.label_smoothing)
+    else:
+        criterion = nn.CrossEntropyLoss()
+    amp, scaler = _amp_context(cfg, device)
+    detector = CollapseDetector(**cfg.collapse)
+    start_epoch, step = 0, 0
+
+    checkpoint_path = out_dir / CHECKPOINT
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        detector.load_state_dict(state["collapse"])
+        if ema is not None:
+            ema.module.load_state_dict(state["model_ema"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+        start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
+        _set_rng_state(state["rng"][world.rank] if world.rank < len(state["rng"]) else state["rng"][0])
+        if world.main:
+            print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
+
+    net = _data_parallel(model, device) if world.world > 1 else model
+    meta = {"task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,
+            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
+            "seed": cfg.seed, "scale": cfg.scale.name, "epochs": epochs, "init": init,
+            "world_size": world.world, "run_dir": str(out_dir)}
+    logger = make_logger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True),
+                         name=f"{cfg.exp_name}-s{cfg.seed}", enabled=world.main)
+    recorder = unnorm.record_statistics(model) if cfg.record_statistics else None
+    metrics: dict = {}
+    try:
+        for epoch in range(start_epoch, epochs):
+            net.train()
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+            loader = torch.utils.data.DataLoader(
+                train_set, batch_size=batch, sampler=sampler, shuffle=sampler is None,
+                generator=generator, drop_last=True, **loader_args)
+            progress = tqdm(loader, total=steps_per_epoch, disable=None if world.main else True,
+                            desc=f"epoch {epoch + 1}/{epochs}", leave=False)
+            started, stats_chunks = time.time(), []
+            loss_sum = torch.zeros((), device=device)
+            for batch_index, (images, targets) in enumerate(progress):
+                if batch_index >= steps_per_epoch:
+                    break
+                images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                if mixup is not None:
+                    images, targets = mixup(images, targets)
+                with amp():
+                    loss = criterion(net(images), targets)
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    if recipe.clip_grad:
+                        scaler.unscale_(optimizer)
+                        dispatch_clip_grad(model.parameters(), recipe.clip_grad)
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    if recipe.clip_grad:
+                        dispatch_clip_grad(model.parameters(), recipe.clip_grad)
+                    optimizer.step()
+                step += 1
+                scheduler.step_update(num_updates=step)
+                if ema is not None:
+                    ema.update(model, step=step)
+                reduced_loss = world.mean(loss.detach())
+                loss_sum += reduced_loss
+                detector.update(step, reduced_loss)
+                if recorder is not None and step % detector.check_every == 0:
+                    stats_chunks.append(recorder.flush())
+                if world.main and step % detector.check_every == 0:
+                    progress.set_postfix(loss=f"{detector.last_loss:.3f}",
+                                         lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            detector.check()
+            scheduler.step(epoch + 1)
+            metrics = evaluate(model, val_loader, world, amp)
+            if ema is not None:
+                metrics.update({f"{k}_ema": v for k, v in evaluate(ema.module, val_loader, world, amp).items()})
+            metrics.update(epoch=epoch + 1, step=step, train_loss=(loss_sum / steps_per_epoch).item(),
+                           lr=optimizer.param_groups[0]["lr"], epoch_time_s=time.time() - started)
+            run.log(**metrics)
+            logger.log(metrics, step=step)
+            if recorder is not None:
+                stats_chunks.append(recorder.flush())
+                _save_statistics(run, epoch, stats_chunks)
+            if world.main:
+                print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
+                      f"top1 {metrics['top1']:.2f}" + (f" (ema {metrics['top1_ema']:.2f})" if ema else ""))
+                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "collapse": detector.state_dict(),
+                             "model_ema": ema.module.state_dict() if ema is not None else None,
+                             "scaler": scaler.state_dict() if scaler is not None else None,
+                             "epoch": epoch, "step": step, "init": init,
+                             "rng": _gather_rng(world), "config": OmegaConf.to_container(cfg)},
+                            checkpoint_path)
+            elif world.world > 1:
+                _gather_rng(world)
+        result = run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": step})
+    except TrainingCollapsed as collapse:
+        result = run.write_result(status="FAIL", metrics=metrics, meta={**meta, "steps": collapse.step},
+                                  fail=collapse)
+        if world.main:
+            print(f"FAIL: {collapse}")
+    finally:
+        if recorder is not None:
+            recorder.close()
+        logger.finish()
+    return result
+
+
+def _data_parallel(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """DDP that leaves norm buffers per replica (the paper's statistics; sync_stats shares)."""
+    no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.15 name
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   **no_buffer_sync)
+
+
+def _gather_rng(world: Distributed) -> list:
+    """Every replica's RNG state, so a resumed run draws the same augmentations."""
+    state = _rng_state()
+    if world.world == 1:
+        return [state]
+    gathered = [None] * world.world
+    dist.all_gather_object(gathered, state)
+    return gathered
+
+
+def _save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
+    """Concatenate the epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
+    if not run.writer:
+        return
+    merged: dict = {}
+    for chunk in chunks:
+        for layer, values in chunk.items():
+            for key, tensor in values.items():
+                merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
+    merged = {layer: {k: torch.cat(v) for k, v in values.items()} for layer, values in merged.items()}
+    (run.path / "stats").mkdir(exist_ok=True)
+    torch.save(merged, run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")

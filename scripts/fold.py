@@ -1,0 +1,68 @@
+"""Fold a trained model's offline norms into its linear layers for inference (paper Alg. 1).
+
+    python scripts/fold.py runs/swin_t_un-cpu/<time>            # writes folded.pt beside it
+    python scripts/fold.py runs/.../last.pt --ema --out swin_un_folded.pt
+
+Every norm becomes part of the linear layer that reads it (qkv, fc1, patch-merging reduction,
+head) or, where none does directly, a frozen per-channel affine. The script checks that the
+folded model's eval outputs match the original on random inputs and prints the error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import unnorm  # noqa: E402
+from plugins.timm import fold_model, model_from_config  # noqa: E402
+
+
+def load_folded(path: Path) -> torch.nn.Module:
+    """Rebuild a model saved by this script: its structure, folded, then its weights."""
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    model = model_from_config(OmegaConf.create(saved["config"])).eval()
+    fold_model(model)
+    model.load_state_dict(saved["model"])
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path, help="a run directory or its last.pt")
+    parser.add_argument("--ema", action="store_true", help="fold the EMA weights")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--check-batch", type=int, default=4)
+    args = parser.parse_args()
+    path = args.checkpoint / "last.pt" if args.checkpoint.is_dir() else args.checkpoint
+    if not path.exists():
+        sys.exit(f"no checkpoint at {path}: pass a run directory or its last.pt")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    cfg = OmegaConf.create(saved["config"])
+    if not unnorm.is_offline(cfg.norm.name):
+        sys.exit(f"{cfg.norm.name} is an online norm: nothing to fold (offline: "
+                 f"{[n for n in unnorm.available_norms() if unnorm.is_offline(n)]})")
+    weights = saved["model_ema"] if args.ema else saved["model"]
+    if weights is None:
+        sys.exit("this run kept no EMA weights; drop --ema")
+    model = model_from_config(cfg)
+    model.load_state_dict(weights)
+    model.eval()
+    images = torch.randn(args.check_batch, 3, cfg.model.img_size, cfg.model.img_size)
+    with torch.no_grad():
+        before = model(images)
+        done = fold_model(model)
+        after = model(images)
+    error = ((after - before).abs().max() / before.abs().max()).item()
+    out = args.out or path.with_name("folded.pt")
+    torch.save({"model": model.state_dict(), "config": saved["config"], "fold": done}, out)
+    print(f"folded {done['folded']} norms into linear layers, {done['affine']} into frozen "
+          f"affines; max relative output change {error:.2e}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The one training entry: ``python scripts/train.py +exp=swin_t_un [scale=cpu] [key=value ...]``.
+
+Multirun sweeps: ``python scripts/train.py -m +exp=swin_t_un norm.window_size=2,4,6``.
+Several GPUs: ``torchrun --nproc_per_node=8 scripts/train.py +exp=...``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # plugins/ from a plain checkout
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
+    if cfg.resume and not (out_dir / "last.pt").exists():
+        raise FileNotFoundError(f"resume={cfg.resume}: no last.pt there; pass the run directory "
+                                "of the run to continue (runs/<exp>/<time>)")
+    if cfg.task == "classification":
+        from plugins.timm.trainer import train
+    else:
+        raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification")
+    result = train(cfg, out_dir)
+    print(json.dumps({k: result[k] for k in ("status", "exp", "norm", "metrics", "fail_step",
+                                            "fail_reason", "run_dir")}, indent=2))
+    return result["metrics"].get("top1", float("nan"))
+
+
+if __name__ == "__main__":
+    main()
