@@ -586,6 +586,21 @@ def test_recorder_hands_over_per_step_statistics():
     assert int(chunk["skip"].sum()) == ref.skipped > 0
 
 
+@pytest.mark.parametrize("name", unnorm.available_norms())
+def test_recorder_records_training_steps_only(name):
+    norm = unnorm.build_norm(name, C)
+    x = make_sequence(1)[0][0]
+    with unnorm.record_statistics(torch.nn.Sequential(norm)) as recorder:
+        norm.eval()
+        with torch.no_grad():
+            norm(x)
+        assert recorder.flush()["0"] == {}
+        norm.train()
+        norm(x.requires_grad_(True)).sum().backward()
+        chunk = recorder.flush()["0"]
+    assert chunk["act"].shape == chunk["grad"].shape == (1, C)
+
+
 @pytest.mark.parametrize("name", ["ln", "bn", "rms", "nonorm"])
 def test_recorder_gradient_statistic_is_mean_of_g_times_z(name):
     norm = unnorm.build_norm(name, C)

@@ -13,7 +13,7 @@ from .powernorm import PowerNorm
 from .registry import available_norms, build_norm, is_offline, norm_layer, norm_options
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
-from .swap import swap_norms
+from .swap import replace_module, swap_norms
 from .unified import RELEASED_UN_NAMES, UnifiedNorm, convert_released_state_dict
 
 
@@ -27,7 +27,7 @@ def reset_steps(model) -> int:
 
 __all__ = [
     "available_norms", "build_norm", "is_offline", "norm_layer", "norm_options", "swap_norms",
-    "fold_into_linear", "fold_norms", "to_affine", "record_statistics", "reset_steps",
+    "fold_into_linear", "fold_norms", "to_affine", "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
     "ChannelNorm", "OfflineNorm", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",

@@ -56,6 +56,11 @@ class ChannelNorm(nn.Module):
     def _normalize(self, rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def _recording(self) -> bool:
+        """Statistics are recorded for training steps only."""
+        return self._tap is not None and self.training
+
     def _affine(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """``weight * z + bias`` in float32 (z float32)."""
         self._watch_grad(z, valid)
@@ -63,7 +68,7 @@ class ChannelNorm(nn.Module):
 
     def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         """When tapped, record the gradient statistic mean(g * z) with g = dL/dz."""
-        if self._tap is not None and z.requires_grad:
+        if self._recording and z.requires_grad:
             tap, z_value = self._tap, z.detach()  # detached: no graph -> hook -> z cycle
             z.register_hook(lambda g: tap.record_grad(grad_channel_mean(g * z_value, valid)))
 

@@ -13,7 +13,7 @@ class LayerNorm(ChannelNorm):
     """LayerNorm over the channel axis of each position (online)."""
 
     def _normalize(self, rows, valid):
-        if self._tap is None:
+        if not self._recording:
             return F.layer_norm(rows.float(), (self.num_features,), self.weight.float(),
                                 self.bias.float(), self.eps)
         self._tap.record_act(channel_mean_sq(rows, valid))
@@ -27,7 +27,7 @@ class RMSNorm(ChannelNorm):
     """
 
     def _normalize(self, rows, valid):
-        if self._tap is not None:
+        if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = rows.float()
         return self._affine(rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + self.eps),
@@ -45,7 +45,7 @@ class NoNorm(ChannelNorm):
         self.register_parameter("bias", None)
 
     def _normalize(self, rows, valid):
-        if self._tap is None:
+        if not self._recording:
             return rows
         self._tap.record_act(channel_mean_sq(rows, valid))
         z = rows.float().view_as(rows)  # a fresh graph node to hook, not the caller's tensor
@@ -94,7 +94,7 @@ class BatchNorm(OfflineNorm):
             self.running_mean.mul_(alpha).add_(mean, alpha=1 - alpha)
             self.running_var.mul_(alpha).add_(var * count / (count - 1).clamp_min(1),
                                               alpha=1 - alpha)
-        if self._tap is not None:
+        if self._recording:
             self._tap.record_act(var.detach())
         inv_std = torch.rsqrt(var + self.eps)
         z = (rows - mean) * inv_std
@@ -104,7 +104,7 @@ class BatchNorm(OfflineNorm):
 
     def _batch_norm(self, rows):
         """Unpadded input: torch's fused kernel (same statistics and running update)."""
-        tapped = self._tap is not None
+        tapped = self._recording
         if tapped:
             self._tap.record_act(rows.detach().var(dim=0, unbiased=False))
         out = F.batch_norm(rows, self.running_mean, self.running_var,

@@ -1,0 +1,1 @@
+"""Analyses of trained runs (layer similarity, ...) for the paper's figures."""

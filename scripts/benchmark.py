@@ -1,0 +1,225 @@
+"""Inference speed and memory of folded UN against LN and the no-norm limit (paper Table 8),
+and the training-step cost of every norm, measured side by side in one run.
+
+    python scripts/benchmark.py                                  # GPU if present, else CPU
+    python scripts/benchmark.py --batch 512 --img-size 224       # the paper's setting (GPU)
+    python scripts/benchmark.py --models swin_t --no-compile --rounds 5
+
+Variants, per model: ``ln``; ``un`` (unfolded); ``un_folded`` (every UN folded into its
+linear consumer or a frozen affine); ``no_norm`` (every norm removed: what folding can reach
+at best). Each runs eager and, unless --no-compile, under ``torch.compile``. Rounds
+interleave the variants in a shuffled order so drift affects all alike; medians are reported.
+Peak memory: GPU max allocated, or on CPU the peak RSS of a fresh subprocess per variant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import unnorm  # noqa: E402
+from plugins.timm import create_classifier, fold_model  # noqa: E402
+
+MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14"}
+VARIANTS = ("ln", "un", "un_folded", "no_norm")
+UN_OPTIONS = {"warmup_iters": 0, "outlier_filtration": True}
+
+
+def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
+    """An eval-mode model of the variant (weights random: speed does not depend on them)."""
+    norm = {"ln": "ln", "un": "un", "un_folded": "un", "no_norm": "nonorm"}[variant]
+    options = UN_OPTIONS if norm == "un" else {}
+    net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
+    net.eval()
+    if variant == "un_folded":
+        fold_model(net)
+    elif variant == "no_norm":
+        for name, module in list(net.named_modules()):
+            if isinstance(module, unnorm.ChannelNorm):
+                unnorm.replace_module(net, name, unnorm.FoldedNorm())
+    return net.to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_batches(fn, batches: int, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(batches):
+        fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def inference(args, device) -> list[dict]:
+    images = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
+    runners = {}
+    for model in args.models:
+        for variant in VARIANTS:
+            net = build(model, variant, args.img_size, device)
+            modes = {"eager": net}
+            if args.compile:
+                modes["compile"] = torch.compile(net)
+            for mode, fn in modes.items():
+                runners[(model, variant, mode)] = fn
+    print(f"warming up {len(runners)} runners (compiling where asked)...", flush=True)
+    memory = {}
+    with torch.inference_mode():
+        for key, fn in runners.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            for _ in range(args.warmup):
+                fn(images)
+            if device.type == "cuda":
+                synchronize(device)
+                memory[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        times = {key: [] for key in runners}
+        order = list(runners)
+        for _ in range(args.rounds):
+            random.shuffle(order)
+            for key in order:
+                times[key].append(time_batches(lambda: runners[key](images), args.batches, device))
+    if device.type == "cpu":
+        for model in args.models:
+            for variant in VARIANTS:
+                memory[(model, variant, "eager")] = cpu_peak_rss(model, variant, args)
+    rows = []
+    for (model, variant, mode), values in times.items():
+        rows.append({"model": model, "variant": variant, "mode": mode,
+                     "images_per_s": args.batch * args.batches / statistics.median(values),
+                     "peak_mem_mb": memory.get((model, variant, mode))})
+    return rows
+
+
+def cpu_peak_rss(model: str, variant: str, args) -> float:
+    """Peak resident memory of a fresh process running the variant's inference (MB)."""
+    probe = subprocess.run(
+        [sys.executable, __file__, "--rss-probe", model, variant, "--batch", str(args.batch),
+         "--img-size", str(args.img_size)], capture_output=True, text=True, check=True)
+    return json.loads(probe.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+
+
+def rss_probe(model: str, variant: str, args) -> None:
+    net = build(model, variant, args.img_size, torch.device("cpu"))
+    images = torch.randn(args.batch, 3, args.img_size, args.img_size)
+    with torch.inference_mode():
+        for _ in range(3):
+            net(images)
+    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def training(args, device) -> list[dict]:
+    """Median time of one optimizer step per norm (random labels), interleaved."""
+    images = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device)
+    labels = torch.randint(0, 1000, (args.train_batch,), device=device)
+    steps = {}
+    for model in args.models:
+        for norm in unnorm.available_norms():
+            options = {"warmup_iters": 0} if norm in ("un", "mabn", "pn", "pn_ls") else {}
+            net = create_classifier(MODELS[model], {"name": norm, **options}, 1000,
+                                    args.img_size).to(device).train()
+            optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+            def step(net=net, optimizer=optimizer):
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = torch.nn.functional.cross_entropy(net(images), labels)
+                loss.backward()
+                optimizer.step()
+            for _ in range(args.warmup):
+                step()
+            steps[(model, norm)] = step
+    times = {key: [] for key in steps}
+    order = list(steps)
+    for _ in range(args.rounds):
+        random.shuffle(order)
+        for key in order:
+            times[key].append(time_batches(steps[key], 1, device))
+    return [{"model": model, "norm": norm, "step_ms": 1e3 * statistics.median(values)}
+            for (model, norm), values in times.items()]
+
+
+def report(inference_rows, training_rows) -> str:
+    lines = ["| model | variant | mode | images/s | vs LN | vs no-norm | peak MB |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    speed = {(r["model"], r["variant"], r["mode"]): r["images_per_s"] for r in inference_rows}
+    for r in inference_rows:
+        ln, limit = speed[(r["model"], "ln", r["mode"])], speed[(r["model"], "no_norm", r["mode"])]
+        mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
+        lines.append(f"| {r['model']} | {r['variant']} | {r['mode']} | {r['images_per_s']:.1f} | "
+                     f"{r['images_per_s'] / ln:.3f} | {r['images_per_s'] / limit:.3f} | {mem} |")
+    lines += ["", "| model | norm | train step ms | vs LN |", "|---|---|---:|---:|"]
+    step = {(r["model"], r["norm"]): r["step_ms"] for r in training_rows}
+    for r in training_rows:
+        lines.append(f"| {r['model']} | {r['norm']} | {r['step_ms']:.1f} | "
+                     f"{r['step_ms'] / step[(r['model'], 'ln')]:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batch", type=int, default=None, help="inference batch (GPU 512, CPU 8)")
+    parser.add_argument("--train-batch", type=int, default=None, help="GPU 128, CPU 4")
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rss-probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    args.batch = args.batch or (512 if gpu else 8)
+    args.train_batch = args.train_batch or (128 if gpu else 4)
+    args.batches = args.batches or (10 if gpu else 2)
+    if args.rss_probe:
+        return rss_probe(*args.rss_probe, args)
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    inference_rows = inference(args, device)
+    training_rows = training(args, device)
+    table = report(inference_rows, training_rows)
+    print(table)
+    out = args.out or ROOT / "results" / "benchmarks" / f"inference_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "device": machine(device), "torch": torch.__version__, "batch": args.batch,
+        "train_batch": args.train_batch, "img_size": args.img_size, "rounds": args.rounds,
+        "batches_per_round": args.batches, "command": " ".join(sys.argv),
+        "inference": inference_rows, "training": training_rows, "table": table}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
