@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> float:
         from plugins.timm.trainer import train
     else:
         raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification")
-    result = train(cfg, out_dir)
+    result = train(cfg, out_dir, HydraConfig.get().overrides.task)
     print(json.dumps({k: result[k] for k in ("status", "exp", "norm", "metrics", "fail_step",
                                             "fail_reason", "run_dir")}, indent=2))
     return result["metrics"].get("top1", float("nan"))

@@ -11,6 +11,7 @@ import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -168,17 +169,21 @@ def _amp_context(cfg, device: torch.device):
     return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
 
 
-def train(cfg: DictConfig, out_dir: Path) -> dict:
-    """Train and evaluate one run; returns the ``result.json`` content."""
+def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
+    """Train and evaluate one run; returns the ``result.json`` content.
+
+    ``overrides`` (the command line's) are recorded so tables can tell sweeps from defaults.
+    """
+    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
     cfg = effective_config(cfg)
     world = Distributed(cfg.device)
     try:
-        return _train(cfg, Path(out_dir), world)
+        return _train(cfg, Path(out_dir), world, meta)
     finally:
         world.close()
 
 
-def _train(cfg: DictConfig, out_dir: Path, world: Distributed) -> dict:
+def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     recipe, device = cfg.recipe, world.device
     run = RunDirectory(out_dir, writer=world.main)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
@@ -251,7 +256,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed) -> dict:
             print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
 
     net = _data_parallel(model, device) if world.world > 1 else model
-    meta = {"task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,
+    meta = {**meta, "task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,
             "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
             "seed": cfg.seed, "scale": cfg.scale.name, "epochs": epochs, "init": init,
             "world_size": world.world, "run_dir": str(out_dir)}
