@@ -62,6 +62,9 @@ class Distributed:
     """Process-group facts for one process (a single process when not under torchrun)."""
 
     def __init__(self, device_name: str):
+        if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+            import submitit  # a SLURM job array task: export torchrun's variables from SLURM's
+            submitit.helpers.TorchDistributedEnvironment().export()
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))

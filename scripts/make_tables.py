@@ -1,0 +1,278 @@
+"""The paper's Tables 1-10 from recorded runs, beside the paper's numbers.
+
+    python scripts/make_tables.py [--runs results/runs] [--out results/tables]
+
+Reads every ``result.json`` under ``--runs`` and the paper's numbers in
+``results/paper/tables.yaml``; writes ``tables.md`` and ``tables.tex``. A cell of ours is the
+mean +- std over seeds with the run count; collapsed runs show as FAIL with their step; a
+dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonorm", "BN": "bn",
+                "MABN": "mabn", "PN": "pn", "UN": "un"}
+SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.")
+CPU_NOTE = "† CPU scale on the embedded digits (scale=cpu), not the paper's dataset or schedule."
+
+
+def load_runs(root: Path) -> list[dict]:
+    runs = []
+    for path in sorted(root.rglob("result.json")):
+        run = json.loads(path.read_text())
+        run["_path"] = str(path.parent)
+        runs.append(run)
+    return runs
+
+
+def override_value(run: dict, key: str) -> Optional[str]:
+    for item in run.get("overrides", []):
+        name, _, value = item.partition("=")
+        if name.lstrip("+") == key:
+            return value
+    return None
+
+
+def is_default(run: dict) -> bool:
+    """A run of an experiment as configured (no sweep or ablation override)."""
+    return not any(item.startswith(SWEEP_PREFIXES) for item in run.get("overrides", []))
+
+
+@dataclass
+class Cell:
+    """Our runs of one table cell, summarised."""
+
+    runs: list = field(default_factory=list)
+
+    def text(self, metric: str) -> str:
+        if not self.runs:
+            return "—"
+        ok = [r["metrics"][metric] for r in self.runs if r["status"] == "ok" and metric in r["metrics"]]
+        failed = [r for r in self.runs if r["status"] == "FAIL"]
+        dagger = "†" if any(r.get("scale", "full") != "full" for r in self.runs) else ""
+        parts = []
+        if ok:
+            spread = f" ± {statistics.stdev(ok):.1f}" if len(ok) > 1 else ""
+            parts.append(f"{statistics.mean(ok):.1f}{spread} (n={len(ok)})")
+        if failed:
+            steps = ", ".join(str(r["fail_step"]) for r in failed)
+            parts.append(f"FAIL {len(failed)}/{len(self.runs)} (step {steps})")
+        return "; ".join(parts) + dagger
+
+
+def select(runs: list[dict], **where: Callable[[dict], bool]) -> Cell:
+    return Cell([r for r in runs if all(test(r) for test in where.values())])
+
+
+def paper_text(value) -> str:
+    return "—" if value is None else str(value)
+
+
+@dataclass
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    notes: list[str] = field(default_factory=list)
+
+
+def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
+    """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric)."""
+    header = ["method"] + list(columns)
+    rows = []
+    for method, norm in METHOD_NORMS.items():
+        row = [method]
+        for column, (model, data, metric) in columns.items():
+            ours = select(runs, task=lambda r: r.get("task") == task,
+                          norm=lambda r, n=norm: r.get("norm") == n,
+                          model=lambda r, m=model: m is None or r.get("model") == m,
+                          data=lambda r, d=data: r.get("exp_data") == d,
+                          default=is_default).text(metric)
+            row.append(f"{paper_text(paper.get(method, {}).get(column))} / {ours}")
+        if any(cell != "— / —" for cell in row[1:]):
+            rows.append(row)
+    return Table(title, header, rows, ["Each cell: paper / ours."])
+
+
+def sweep_table(title, values: list, paper_rows: dict, runs, key: str, metric: str) -> Table:
+    """Columns: the swept values; rows: the paper's metrics, then ours (UN runs sweeping key)."""
+    header = [key] + [str(v) for v in values]
+    rows = [[name] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
+    swept = [r for r in runs if r.get("norm") == "un" and override_value(r, key) is not None]
+    groups: dict[str, list] = {}
+    for run in swept:
+        groups.setdefault((run.get("model"), run.get("exp_data")), []).append(run)
+    for (model, data), group in sorted(groups.items()):
+        cells = [Cell([r for r in group if _same(override_value(r, key), v)]).text(metric) for v in values]
+        rows.append([f"ours: {model} {data} {metric}"] + cells)
+    return Table(title, header, rows)
+
+
+def _same(text: Optional[str], value) -> bool:
+    if text is None:
+        return False
+    try:
+        return float(text) == float(value)
+    except ValueError:
+        return text.lower() == str(value).lower()
+
+
+TASK_METRIC = {"classification": "top1", "translation": "bleu", "detection": "bbox_AP"}
+
+
+def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
+    """Rows: the paper's component experiments; ours: a column per (task, model, data) of UN
+    runs with ``+ablation=un_expN``."""
+    ablated = [r for r in runs if override_value(r, "ablation")]
+    groups = sorted({(r.get("task"), r.get("model"), r.get("exp_data")) for r in ablated})
+    header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
+              + [f"ours: {model} {data} {TASK_METRIC[task]}" for task, model, data in groups])
+    rows = []
+    for item in paper_rows:
+        row = [str(item[k]) for k in ("exp", "fwd_gm", "bwd_am", "bwd_ema")]
+        row += [paper_text(item.get(m)) for m in metrics]
+        for task, model, data in groups:
+            row.append(Cell([r for r in ablated if (r.get("task"), r.get("model"), r.get("exp_data"))
+                             == (task, model, data)
+                             and override_value(r, "ablation") == f"un_exp{item['exp']}"]
+                            ).text(TASK_METRIC[task]))
+        rows.append(row)
+    return Table(title, header, rows)
+
+
+def efficiency_table(paper: dict, benchmarks: Path) -> Table:
+    header = ["setting", "LN MB", "UN MB", "mem reduction", "LN img/s", "UN img/s", "speed-up"]
+    rows = []
+    for setting, values in paper.items():
+        rows.append([f"paper {setting}", str(values["LN"]["mem_mb"]), str(values["UN"]["mem_mb"]),
+                     f"{values['mem_reduction']:.1%}", str(values["LN"]["tput"]),
+                     str(values["UN"]["tput"]), f"{values['speedup']:.1%}"])
+    for path in sorted(benchmarks.glob("inference_*.json")):
+        bench = json.loads(path.read_text())
+        by = {(r["model"], r["variant"], r["mode"]): r for r in bench["inference"]}
+        for (model, variant, mode), ln in sorted(by.items()):
+            if variant != "ln" or (model, "un_folded", mode) not in by:
+                continue
+            un = by[(model, "un_folded", mode)]
+            mem = (ln["peak_mem_mb"], un["peak_mem_mb"])
+            rows.append([f"ours {model} {mode} bs{bench['batch']} ({bench['device']})",
+                         f"{mem[0]:.0f}" if mem[0] else "—", f"{mem[1]:.0f}" if mem[1] else "—",
+                         f"{1 - mem[1] / mem[0]:.1%}" if all(mem) else "—",
+                         f"{ln['images_per_s']:.1f}", f"{un['images_per_s']:.1f}",
+                         f"{un['images_per_s'] / ln['images_per_s'] - 1:.1%}"])
+    return Table("Table 8: inference efficiency, LN vs folded UN (Swin-T)", header, rows,
+                 ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole process."])
+
+
+def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]:
+    cls_columns = {"swin_t_imagenet": ("swin_t", "imagenet"),
+                   "t2t_vit_14_imagenet": ("t2t_vit_14", "imagenet"),
+                   "t2t_vit_14_cifar10": ("t2t_vit_14", "cifar10"),
+                   "t2t_vit_14_cifar100": ("t2t_vit_14", "cifar100")}
+    tables = [
+        method_table("Table 1: translation BLEU (pre-norm Transformer)", paper["table1_nmt_bleu"],
+                     runs, {d: (None, d, "bleu") for d in ("iwslt14", "wmt14")}, "translation"),
+        method_table("Table 2: classification top-1 (%)", paper["table2_cls_top1"], runs,
+                     {name: (*where, "top1") for name, where in cls_columns.items()},
+                     "classification"),
+    ]
+    for key, title in (("table3_faster_rcnn_swin_t_coco_3x", "Table 3: Faster R-CNN Swin-T 3x, COCO"),
+                       ("table4_mask_rcnn_swin_t_coco_3x", "Table 4: Mask R-CNN Swin-T 3x, COCO")):
+        flat = {method: _flatten(values) for method, values in paper[key].items()}
+        columns = {c: ("faster_rcnn" if "faster" in key else "mask_rcnn", "coco", _coco_metric(c))
+                   for c in next(iter(flat.values()))}
+        tables.append(method_table(title, flat, runs, columns, "detection"))
+    tables += [
+        ablation_table("Table 5: UN components, Mask R-CNN 1x", paper["table5_ablation_mask_rcnn_12ep"],
+                       ["box_AP", "mask_AP"], runs),
+        sweep_table("Table 6: window size M", paper["table6_window_size_mask_rcnn_12ep"]["M"],
+                    {f"paper {k}": v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items()
+                     if k != "M"}, runs, "norm.window_size", "top1"),
+        sweep_table("Table 7: outlier filtration", [True, False],
+                    {f"paper {k}": [paper["table7_outlier_filtration"]["with"][k],
+                                    paper["table7_outlier_filtration"]["without"][k]]
+                     for k in paper["table7_outlier_filtration"]["with"]},
+                    runs, "norm.outlier_filtration", "top1"),
+        efficiency_table(paper["table8_efficiency_swin_t"], benchmarks),
+        ablation_table("Table 9: UN components, IWSLT14 BLEU", paper["table9_ablation_iwslt14"],
+                       ["bleu"], [r for r in runs if r.get("task") == "translation"]),
+        sweep_table("Table 10: momentum alpha", paper["table10_alpha"]["alpha"],
+                    {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
+                    runs, "norm.momentum", "top1"),
+    ]
+    return tables
+
+
+def _coco_metric(column: str) -> str:
+    """Our detection runs name COCO metrics as pycocotools' iouTypes: bbox_AP50, segm_AP."""
+    kind, _, name = column.rpartition(" ")
+    return f"{'segm' if kind == 'mask' else 'bbox'}_{name}"
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key} "))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def to_markdown(tables: list[Table], run_count: int) -> str:
+    out = [f"# The paper's tables beside ours ({run_count} recorded runs)", "",
+           "Generated by `python scripts/make_tables.py`; do not edit.", "", CPU_NOTE, ""]
+    for table in tables:
+        out += [f"## {table.title}", "", "| " + " | ".join(table.header) + " |",
+                "|" + "---|" * len(table.header)]
+        out += ["| " + " | ".join(row) + " |" for row in table.rows]
+        out += [""] + [f"{note}" for note in table.notes] + ([""] if table.notes else [])
+    return "\n".join(out)
+
+
+def _tex(text: str) -> str:
+    return (text.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%")
+            .replace("±", "$\\pm$").replace("†", "$^\\dagger$").replace("—", "--")
+            .replace("#", "\\#").replace("&", "\\&"))
+
+
+def to_latex(tables: list[Table]) -> str:
+    out = [f"% Generated by scripts/make_tables.py. {_tex(CPU_NOTE)}"]
+    for table in tables:
+        out += ["\\begin{table}[t]", "\\centering\\small", f"\\caption{{{_tex(table.title)}}}",
+                "\\begin{tabular}{l" + "c" * (len(table.header) - 1) + "}", "\\toprule",
+                " & ".join(_tex(h) for h in table.header) + " \\\\", "\\midrule"]
+        out += [" & ".join(_tex(c) for c in row) + " \\\\" for row in table.rows]
+        out += ["\\bottomrule", "\\end{tabular}", "\\end{table}", ""]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=ROOT / "results" / "runs")
+    parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper" / "tables.yaml")
+    parser.add_argument("--benchmarks", type=Path, default=ROOT / "results" / "benchmarks")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "tables")
+    args = parser.parse_args()
+    if not args.paper.exists():
+        sys.exit(f"paper numbers not found at {args.paper}")
+    runs = load_runs(args.runs) if args.runs.exists() else []
+    tables = build_tables(yaml.safe_load(args.paper.read_text()), runs, args.benchmarks)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tables.md").write_text(to_markdown(tables, len(runs)))
+    (args.out / "tables.tex").write_text(to_latex(tables))
+    print(f"{len(runs)} runs -> {args.out / 'tables.md'}, {args.out / 'tables.tex'}")
+
+
+if __name__ == "__main__":
+    main()
