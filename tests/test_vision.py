@@ -21,7 +21,8 @@ import unnorm
 from plugins.runlog import CollapseDetector, TrainingCollapsed
 from plugins.timm import fold_model, fold_plan, model_from_config
 from plugins.timm.data import DigitsDataset, build_datasets
-from plugins.timm.trainer import _param_groups, effective_config, train
+from plugins.scale import effective_config
+from plugins.timm.trainer import _param_groups, train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=3"]

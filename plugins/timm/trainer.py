@@ -29,33 +29,12 @@ from tqdm import tqdm
 import unnorm
 from plugins.logger import make_logger
 from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, save_atomic
+from plugins.scale import effective_config
 
 from .data import build_datasets
 from .models import model_from_config, norm_options
 
 CHECKPOINT = "last.pt"
-
-
-def effective_config(cfg: DictConfig) -> DictConfig:
-    """Apply ``scale`` (e.g. cpu) to a copy of the config: the model's small variant, the
-    embedded data, a short schedule and shrunk norm warm-ups."""
-    cfg = cfg.copy()
-    scale = cfg.scale
-    was_struct = OmegaConf.is_struct(cfg)
-    OmegaConf.set_struct(cfg, False)
-    if scale.name != "full":
-        cfg.model = OmegaConf.merge(cfg.model, cfg.model.get(scale.name) or {})
-        cfg.recipe = OmegaConf.merge(cfg.recipe, cfg.recipe.get(scale.name) or {})
-    if scale.data:
-        cfg.data = OmegaConf.merge(cfg.data, OmegaConf.load(_config_dir() / "data" / f"{scale.data}.yaml"))
-    if scale.norm_warmup_iters is not None and "warmup_iters" in cfg.norm:
-        cfg.norm.warmup_iters = scale.norm_warmup_iters
-    OmegaConf.set_struct(cfg, was_struct)
-    return cfg
-
-
-def _config_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "configs"
 
 
 class Distributed:
