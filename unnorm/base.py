@@ -63,14 +63,19 @@ class ChannelNorm(nn.Module):
 
     def _affine(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """``weight * z + bias`` in float32 (z float32)."""
-        self._watch_grad(z, valid)
+        z = self._watch_grad(z, valid)
         return torch.addcmul(self.bias.float(), z, self.weight.float())
 
-    def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
-        """When tapped, record the gradient statistic mean(g * z) with g = dL/dz."""
-        if self._recording and z.requires_grad:
-            tap, z_value = self._tap, z.detach()  # detached: no graph -> hook -> z cycle
-            z.register_hook(lambda g: tap.record_grad(grad_channel_mean(g * z_value, valid)))
+    def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """When recording, hook dL/dz to record mean(g * z). Returns the tensor to use as z:
+        a fresh leaf when the input carries no gradient (e.g. a model's first norm)."""
+        if not self._recording or not torch.is_grad_enabled():
+            return z
+        if not z.requires_grad:
+            z = z.detach().requires_grad_(True)
+        tap, z_value = self._tap, z.detach()  # detached: no graph -> hook -> z cycle
+        z.register_hook(lambda g: tap.record_grad(grad_channel_mean(g * z_value, valid)))
+        return z
 
 
 class OfflineNorm(ChannelNorm):

@@ -48,9 +48,7 @@ class NoNorm(ChannelNorm):
         if not self._recording:
             return rows
         self._tap.record_act(channel_mean_sq(rows, valid))
-        z = rows.float().view_as(rows)  # a fresh graph node to hook, not the caller's tensor
-        self._watch_grad(z, valid)
-        return z
+        return self._watch_grad(rows.float().view_as(rows), valid)  # a new node, not the caller's
 
 
 class BatchNorm(OfflineNorm):
