@@ -3,11 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench
+# fairseq (translation) runs in its own Python 3.10 environment: fairseq 0.12.2 imports on 3.10
+# only. It is made from pyenv's 3.10 or a python3.10 on PATH; without one, its tests are skipped.
+FAIRSEQ_VENV ?= .venv-fairseq
+FAIRSEQ_STAMP := $(FAIRSEQ_VENV)/.installed
+PYTHON310 ?= $(shell for p in $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10; do \
+	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' 2>/dev/null && { command -v "$$p"; break; }; done)
+
+.PHONY: run test bench fairseq-env
 run: $(STAMP)  ## the main job, on embedded data at CPU scale
 	$(PY) scripts/train.py +exp=swin_t_un scale=cpu
 
-test: $(STAMP)  ## the test suite
+test: $(STAMP) $(if $(PYTHON310),$(FAIRSEQ_STAMP))  ## the test suite
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -17,4 +24,14 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[all]"
+	touch $@
+
+fairseq-env: $(FAIRSEQ_STAMP)  ## the Python 3.10 environment for translation
+
+$(FAIRSEQ_STAMP): requirements/fairseq.txt pyproject.toml
+	@test -n "$(PYTHON310)" || { echo "no Python 3.10 found: install one (pyenv install 3.10, or" \
+		"apt/conda), or pass PYTHON310=/path/to/python3.10" >&2; exit 1; }
+	test -x $(FAIRSEQ_VENV)/bin/python || $(PYTHON310) -m venv $(FAIRSEQ_VENV)
+	$(FAIRSEQ_VENV)/bin/python -m pip install -q "pip>=23,<24.1"
+	$(FAIRSEQ_VENV)/bin/python -m pip install -q -r requirements/fairseq.txt -e .
 	touch $@

@@ -18,18 +18,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # plugins/ from a 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
-    if cfg.resume and not (out_dir / "last.pt").exists():
-        raise FileNotFoundError(f"resume={cfg.resume}: no last.pt there; pass the run directory "
-                                "of the run to continue (runs/<exp>/<time>)")
     if cfg.task == "classification":
-        from plugins.timm.trainer import train
+        from plugins.timm.trainer import CHECKPOINT, train
+        metric = "top1"
+    elif cfg.task == "translation":
+        from plugins.fairseq.launcher import CHECKPOINT, train
+        metric = "bleu"
     else:
-        raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification")
+        raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification, translation")
+    out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
+    if cfg.resume and not (out_dir / CHECKPOINT).exists():
+        raise FileNotFoundError(f"resume={cfg.resume}: no {CHECKPOINT} there; pass the run "
+                                "directory of the run to continue (runs/<exp>/<time>)")
     result = train(cfg, out_dir, HydraConfig.get().overrides.task)
     print(json.dumps({k: result[k] for k in ("status", "exp", "norm", "metrics", "fail_step",
                                             "fail_reason", "run_dir")}, indent=2))
-    return result["metrics"].get("top1", float("nan"))
+    return result["metrics"].get(metric, float("nan"))
 
 
 if __name__ == "__main__":

@@ -354,7 +354,7 @@ def test_padding_changes_no_statistic_and_no_valid_output(name):
     pad[0, 3:] = True
     pad[2, 1:] = True
     runs = []
-    for pad_value in (0.0, 1e6):
+    for pad_value in (0.0, 1e6, float("inf")):
         norm = random_affine(unnorm.build_norm(name, C, **options)) if name != "nonorm" \
             else unnorm.build_norm(name, C)
         outputs = []
@@ -365,14 +365,15 @@ def test_padding_changes_no_statistic_and_no_valid_output(name):
                 outputs.append((y[~pad], dx[~pad]))
             stats = recorder.flush()[""]
         runs.append((outputs, stats, _state_tensors(norm)))
-    (out_a, stats_a, state_a), (out_b, stats_b, state_b) = runs
-    for (ya, dxa), (yb, dxb) in zip(out_a, out_b):
-        torch.testing.assert_close(ya, yb)
-        torch.testing.assert_close(dxa, dxb)
-    for key in stats_a:
-        torch.testing.assert_close(stats_a[key], stats_b[key])
-    for key in state_a:
-        torch.testing.assert_close(state_a[key], state_b[key])
+    (out_a, stats_a, state_a) = runs[0]
+    for out_b, stats_b, state_b in runs[1:]:
+        for (ya, dxa), (yb, dxb) in zip(out_a, out_b):
+            torch.testing.assert_close(ya, yb)
+            torch.testing.assert_close(dxa, dxb)
+        for key in stats_a:
+            torch.testing.assert_close(stats_a[key], stats_b[key])
+        for key in state_a:
+            torch.testing.assert_close(state_a[key], state_b[key])
 
 
 @pytest.mark.parametrize("name", unnorm.available_norms())

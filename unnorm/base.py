@@ -157,8 +157,8 @@ def channel_sum_sq(rows: torch.Tensor, valid: Optional[torch.Tensor],
         total = torch.linalg.vector_norm(rows, dim=0).square()
         count = torch.full((1,), float(rows.shape[0]), device=rows.device)
     else:
-        weights = valid.to(rows.dtype)
-        total, count = weights @ rows.square(), weights.sum().reshape(1)
+        total = zero_padding(rows, valid).square().sum(dim=0)
+        count = valid.to(rows.dtype).sum().reshape(1)
     if replicas_active(sync):
         total, count = sum_over_replicas(total, count)
     return total, count.clamp_min(1)
@@ -179,7 +179,12 @@ def grad_channel_mean(gz: torch.Tensor, valid: Optional[torch.Tensor] = None) ->
     """
     if valid is None:
         return gz.mean(dim=0)
-    return (valid.to(gz.dtype) @ gz) / gz.shape[0]
+    return zero_padding(gz, valid).sum(dim=0) / gz.shape[0]
+
+
+def zero_padding(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rows with padded rows set to zero (a select, so even inf or NaN padding cannot leak)."""
+    return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def window_slot(step: int, size: int) -> int:

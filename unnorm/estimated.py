@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .base import StepCounted, channel_sum_sq, replicas_active, sum_over_replicas
+from .base import StepCounted, channel_sum_sq, replicas_active, sum_over_replicas, zero_padding
 
 
 @dataclass
@@ -124,7 +124,7 @@ class _EstimatedNormFunction(torch.autograd.Function):
         r = torch.ones_like(inv_std) if plan.r is None else plan.r
         dy_x = dy * x
         sum_dy_z = dy_x.sum(dim=0) * inv_std                       # sum(dy * z)
-        valid_dy_z = sum_dy_z if valid is None else (valid.to(x.dtype) @ dy_x) * inv_std
+        valid_dy_z = sum_dy_z if valid is None else zero_padding(dy_x, valid).sum(dim=0) * inv_std
         positions = torch.full((1,), float(x.shape[0]), device=x.device)
         if replicas_active(norm.sync_stats):
             valid_dy_z, positions = sum_over_replicas(valid_dy_z, positions)

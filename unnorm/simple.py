@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import ChannelNorm, OfflineNorm, channel_mean_sq, replicas_active, sum_over_replicas
+from .base import (ChannelNorm, OfflineNorm, channel_mean_sq, replicas_active,
+                   sum_over_replicas, zero_padding)
 
 
 class LayerNorm(ChannelNorm):
@@ -77,13 +78,16 @@ class BatchNorm(OfflineNorm):
         sync = replicas_active(self.sync_stats)
         if valid is None and not sync:
             return self._batch_norm(rows)
-        weights = torch.ones_like(rows[:, 0]) if valid is None else valid.to(rows.dtype)
-        total, count = weights @ rows, weights.sum().reshape(1)
+        counted = rows if valid is None else zero_padding(rows, valid)
+        count = torch.full((1,), float(rows.shape[0]), device=rows.device) if valid is None \
+            else valid.to(rows.dtype).sum().reshape(1)
+        total = counted.sum(dim=0)
         if sync:  # differentiable: every replica's rows receive the statistics' gradient
             total, count = sum_over_replicas(total, count, differentiable=True)
         count = count.clamp_min(1)
         mean = total / count
-        var = weights @ (rows - mean).square()
+        var = (counted - mean).square()
+        var = (var if valid is None else zero_padding(var, valid)).sum(dim=0)
         if sync:
             (var,) = sum_over_replicas(var, differentiable=True)
         var = var / count
@@ -95,7 +99,7 @@ class BatchNorm(OfflineNorm):
         if self._recording:
             self._tap.record_act(var.detach())
         inv_std = torch.rsqrt(var + self.eps)
-        z = (rows - mean) * inv_std
+        z = (counted - mean) * inv_std
         if valid is not None:  # padded rows are normalised, but add no gradient to statistics
             z = torch.where(valid[:, None], z, (rows - mean.detach()) * inv_std.detach())
         return self._affine(z, valid)

@@ -1,0 +1,48 @@
+"""Translation data: fairseq's binarised data under a data config's ``root``.
+
+IWSLT14 and WMT14 are prepared once by the user (``scripts/prepare_iwslt14.sh``; see the
+README for WMT14). The synthetic corpus is generated on first use and goes through the same
+joint BPE and ``fairseq-preprocess --joined-dictionary`` (``scripts/bpe_binarize.sh``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from .synthetic import write_corpus
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def binarised_files(root: Path, source: str, target: str) -> list[Path]:
+    """What fairseq-train and fairseq-generate read from ``root``."""
+    files = [root / f"dict.{source}.txt", root / f"dict.{target}.txt"]
+    for split in ("train", "valid", "test"):
+        files += [root / f"{split}.{source}-{target}.{lang}.{ext}"
+                  for lang in (source, target) for ext in ("bin", "idx")]
+    return files
+
+
+def prepare(data_cfg, fairseq_env: Path) -> Path:
+    """The binarised data of ``data_cfg``, generated first if it is the synthetic corpus."""
+    root = Path(data_cfg.root).resolve()
+    source, target = data_cfg.source_lang, data_cfg.target_lang
+    missing = [p for p in binarised_files(root, source, target) if not p.exists()]
+    if not missing:
+        return root
+    if not data_cfg.get("synthetic"):
+        raise FileNotFoundError(
+            f"data {data_cfg.name}: {root} lacks fairseq's binarised data ({missing[0].name} "
+            f"and {len(missing) - 1} more); prepare it with: {data_cfg.prepare}")
+    staging = root.with_name(root.name + ".tmp")  # renamed when complete: a kill leaves no half
+    shutil.rmtree(staging, ignore_errors=True)
+    write_corpus(staging / "tok", source_lang=source, target_lang=target, **data_cfg.synthetic)
+    subprocess.run(["bash", str(REPO / "scripts" / "bpe_binarize.sh"), str(staging / "tok"),
+                    str(staging), source, target, str(data_cfg.bpe_tokens)],
+                   env={**os.environ, "FAIRSEQ_ENV": str(fairseq_env)}, check=True,
+                   stdout=subprocess.DEVNULL)
+    shutil.rmtree(root, ignore_errors=True)
+    os.replace(staging, root)
+    return root

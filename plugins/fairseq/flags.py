@@ -1,0 +1,52 @@
+"""fairseq flags for the options of ``unnorm``'s norms, shared by the model plugin (fairseq's
+Python 3.10 environment) and the launcher (the main one); it imports neither framework.
+
+Every option of ``unnorm.build_norm`` has one flag, named as in the UN release
+(``--un-win``/``--un-warmup`` there): ``--un-window``, ``--un-warmup``, ``--un-momentum``, ...
+A flag left unset gives the norm its own default.
+"""
+from __future__ import annotations
+
+
+def boolean(text: str) -> bool:
+    """argparse type of a boolean flag value (``--un-outlier-filtration false``)."""
+    value = str(text).lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value in ("true", "1", "yes")
+
+
+# unnorm option -> (flag, argparse type)
+OPTIONS = {
+    "window_size": ("--un-window", int),
+    "warmup_iters": ("--un-warmup", int),
+    "momentum": ("--un-momentum", float),
+    "momentum_bwd": ("--un-momentum-bwd", float),
+    "eps": ("--un-eps", float),
+    "outlier_filtration": ("--un-outlier-filtration", boolean),
+    "outlier_threshold": ("--un-outlier-threshold", float),
+    "outlier_var_per_channel": ("--un-outlier-var-per-channel", boolean),
+    "fwd_gm": ("--un-fwd-gm", boolean),
+    "bwd_am": ("--un-bwd-am", boolean),
+    "bwd_ema": ("--un-bwd-ema", boolean),
+    "grad_compensation": ("--un-grad-compensation", boolean),
+    "group_num": ("--un-group-num", int),
+    "sync_stats": ("--un-sync-stats", boolean),
+}
+
+
+def dest(option: str) -> str:
+    """The attribute argparse stores ``option``'s flag under (``un_window``)."""
+    return OPTIONS[option][0][2:].replace("-", "_")
+
+
+def norm_flags(name: str, options: dict) -> list[str]:
+    """``--norm-type NAME`` and a flag per option that is set (None = the norm's default)."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"no fairseq flag for norm option(s) {', '.join(unknown)}")
+    flags = ["--norm-type", name]
+    for option, value in options.items():
+        if value is not None:
+            flags += [OPTIONS[option][0], str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags

@@ -1,0 +1,177 @@
+"""fairseq's Transformer with any norm of ``unnorm`` in place of its LayerNorms.
+
+fairseq 0.12.2 has no hook for the norm class, so the layers are fairseq's own, subclassed to
+replace their norms after construction (norms draw no random numbers, so every other weight
+is initialised as in the stock model), and the encoder and decoder replace their final norm.
+fairseq calls a norm as ``norm(x)``; the encoder and decoder therefore hand every norm of
+their stack the padding mask of the batch in flight (``PadMaskFeed``), so padding stays out
+of batch statistics. With ``--norm-type ln`` the model computes exactly what the stock model
+does.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerConfig,
+    TransformerDecoderBase,
+    TransformerEncoderBase,
+    TransformerModel,
+    transformer_iwslt_de_en,
+    transformer_wmt_en_de,
+)
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from torch import nn
+
+import unnorm
+from plugins.fairseq.flags import OPTIONS, dest
+
+
+def norm_options(cfg) -> dict:
+    """The ``--un-*`` options that are set (an unset one leaves the norm's default)."""
+    return {option: getattr(cfg, dest(option)) for option in OPTIONS
+            if getattr(cfg, dest(option), None) is not None}
+
+
+def build_norm(cfg, dim: int) -> nn.Module:
+    """The norm ``--norm-type`` names, with its options."""
+    return unnorm.build_norm(cfg.norm_type, dim, **norm_options(cfg))
+
+
+class PadMaskFeed:
+    """Gives norms that fairseq calls as ``norm(x)`` the pad mask of the current batch.
+
+    The stack's ``forward`` sets fairseq's (B, T) mask for its duration; a forward pre-hook on
+    each norm adds it, transposed to the time-first (T, B) of x, as ``pad_mask=``.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.mask: Optional[torch.Tensor] = None
+        for norm in module.modules():
+            if isinstance(norm, unnorm.ChannelNorm):
+                norm.register_forward_pre_hook(self._add_mask, with_kwargs=True)
+
+    def _add_mask(self, norm, args, kwargs):
+        if self.mask is not None and "pad_mask" not in kwargs:
+            return args, {**kwargs, "pad_mask": self.mask}
+        return None
+
+    @contextmanager
+    def batch(self, pad_mask: torch.Tensor):
+        """``pad_mask``: (B, T), True = padding."""
+        self.mask = pad_mask.t()
+        try:
+            yield
+        finally:
+            self.mask = None
+
+
+class UnnormEncoderLayer(TransformerEncoderLayerBase):
+    def __init__(self, cfg, return_fc: bool = False):
+        super().__init__(cfg, return_fc=return_fc)
+        self.self_attn_layer_norm = build_norm(cfg, self.embed_dim)
+        self.final_layer_norm = build_norm(cfg, self.embed_dim)
+        self.can_use_fastpath = False  # BetterTransformer reads LayerNorm parameters directly
+
+
+class UnnormDecoderLayer(TransformerDecoderLayerBase):
+    def __init__(self, cfg, no_encoder_attn: bool = False):
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn)
+        self.self_attn_layer_norm = build_norm(cfg, self.embed_dim)
+        if self.encoder_attn_layer_norm is not None:
+            self.encoder_attn_layer_norm = build_norm(cfg, self.embed_dim)
+        self.final_layer_norm = build_norm(cfg, self.embed_dim)
+
+
+class UnnormTransformerEncoder(TransformerEncoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens):
+        super().__init__(cfg, dictionary, embed_tokens)
+        if self.layer_norm is not None:
+            self.layer_norm = build_norm(cfg, embed_tokens.embedding_dim)
+        self.pad_feed = PadMaskFeed(self)
+
+    def build_encoder_layer(self, cfg):
+        return UnnormEncoderLayer(cfg, return_fc=self.return_fc)
+
+    def forward(self, src_tokens, src_lengths: Optional[torch.Tensor] = None,
+                return_all_hiddens: bool = False, token_embeddings: Optional[torch.Tensor] = None):
+        with self.pad_feed.batch(src_tokens.eq(self.padding_idx)):
+            return super().forward(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
+
+
+class UnnormTransformerDecoder(TransformerDecoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn: bool = False):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+        if self.layer_norm is not None:
+            self.layer_norm = build_norm(cfg, self.embed_dim)
+        self.pad_feed = PadMaskFeed(self)
+
+    def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
+        return UnnormDecoderLayer(cfg, no_encoder_attn=no_encoder_attn)
+
+    def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
+                         full_context_alignment: bool = False, alignment_layer=None,
+                         alignment_heads=None):
+        # incremental decoding feeds the last position only, as the base class does
+        tokens = prev_output_tokens if incremental_state is None else prev_output_tokens[:, -1:]
+        with self.pad_feed.batch(tokens.eq(self.padding_idx)):
+            return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
+                                            full_context_alignment, alignment_layer,
+                                            alignment_heads)
+
+
+@register_model("unnorm_transformer")
+class UnnormTransformerModel(TransformerModel):
+    """fairseq's ``transformer`` with ``--norm-type {ln,rms,bn,mabn,pn,pn_ls,nonorm,un}``."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--norm-type", choices=unnorm.available_norms(), default="ln",
+                            help="the norm of every layer (unnorm.build_norm)")
+        for option, (flag, kind) in OPTIONS.items():
+            parser.add_argument(flag, type=kind, default=None, metavar=option.upper(),
+                                help=f"the norm's {option} (unset: the norm's default)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        unnorm.norm_layer(args.norm_type, **norm_options(args))  # a wrong option fails first
+        for unsupported in ("layernorm_embedding", "checkpoint_activations", "offload_activations"):
+            if getattr(args, unsupported, False):
+                raise ValueError(f"unnorm_transformer does not support --{unsupported.replace('_', '-')}")
+        return super().build_model(args, task)
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return UnnormTransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return UnnormTransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+
+@register_model_architecture("unnorm_transformer", "unnorm_transformer_iwslt_de_en")
+def unnorm_transformer_iwslt_de_en(args):
+    """IWSLT14 De-En: 6+6 layers, width 512, FFN 1024, 4 heads (fairseq's transformer_iwslt_de_en)."""
+    transformer_iwslt_de_en(args)
+
+
+@register_model_architecture("unnorm_transformer", "unnorm_transformer_wmt_en_fr")
+def unnorm_transformer_wmt_en_fr(args):
+    """WMT14 En-Fr: Vaswani et al.'s base, 6+6 layers, width 512, FFN 2048, 8 heads."""
+    transformer_wmt_en_de(args)
+
+
+@register_model_architecture("unnorm_transformer", "unnorm_transformer_tiny")
+def unnorm_transformer_tiny(args):
+    """CPU-sized: 2+2 layers, width 64, FFN 256, 4 heads."""
+    for side in ("encoder", "decoder"):
+        setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 64))
+        setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 256))
+        setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
+        setattr(args, f"{side}_layers", getattr(args, f"{side}_layers", 2))
+    transformer_iwslt_de_en(args)

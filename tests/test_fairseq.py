@@ -1,0 +1,298 @@
+"""Translation through fairseq (plugins/fairseq): real fairseq 0.12.2 runs in its Python 3.10
+environment on the synthetic corpus, driven as users drive it. Needs ``.venv-fairseq``, which
+``make test`` creates; skipped only where this machine has no Python 3.10 to make it from.
+Checks that need fairseq itself run in that environment (tests/fairseq_checks.py)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import unnorm
+from plugins.fairseq import launcher, synthetic
+from plugins.fairseq.data import binarised_files, prepare
+from plugins.fairseq.flags import OPTIONS, norm_flags
+from plugins.scale import effective_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = Path(os.environ.get("UNNORM_FAIRSEQ_ENV") or ROOT / ".venv-fairseq")
+META = {"task", "exp", "model", "data", "exp_data", "norm", "norm_options", "seed", "scale",
+        "overrides", "steps", "run_dir"}
+
+
+def config(*overrides):
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def _python310():
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10")))
+    for candidate in candidates + [shutil.which("python3.10")]:
+        if candidate and subprocess.run([candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"],
+                                        capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def fairseq_env() -> Path:
+    if (ENV / "bin" / "fairseq-train").exists():
+        return ENV
+    if _python310() is None:
+        pytest.skip("fairseq 0.12.2 needs Python 3.10 and this machine has none: install one "
+                    "(pyenv install 3.10, apt install python3.10, or conda), then `make fairseq-env`")
+    pytest.fail(f"no fairseq environment at {ENV}: run `make fairseq-env` (`make test` does)")
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(fairseq_env, tmp_path_factory) -> Path:
+    """The synthetic corpus, prepared once; every run of this module reads it."""
+    root = tmp_path_factory.mktemp("data") / "synthetic_mt"
+    previous = os.environ.get("SYNTHETIC_MT_DATA")
+    os.environ["SYNTHETIC_MT_DATA"] = str(root)
+    yield prepare(effective_config(config("+exp=iwslt14_ln", "scale=cpu")).data, fairseq_env)
+    if previous is None:
+        del os.environ["SYNTHETIC_MT_DATA"]
+    else:
+        os.environ["SYNTHETIC_MT_DATA"] = previous
+
+
+def fairseq_python(*args, timeout=300):
+    result = subprocess.run([str(ENV / "bin" / "python"), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
+def update_losses(log: str) -> dict[int, tuple]:
+    """Per-update (loss, nll_loss, gnorm) from fairseq's JSON log at --log-interval 1."""
+    losses = {}
+    for record in re.findall(r"\| train_inner \| (\{.*\})", log):
+        stats = json.loads(record)
+        losses[int(stats["num_updates"])] = (stats["loss"], stats["nll_loss"], stats["gnorm"])
+    return losses
+
+
+# ---- without fairseq: options, configs, corpus, error messages --------------------------------
+
+def test_a_flag_for_every_norm_option():
+    every_option = set().union(*(unnorm.norm_options(name) for name in unnorm.available_norms()))
+    assert set(OPTIONS) == every_option
+    assert norm_flags("un", {"window_size": 4, "warmup_iters": 4000, "outlier_filtration": False,
+                             "outlier_threshold": None}) == [
+        "--norm-type", "un", "--un-window", "4", "--un-warmup", "4000",
+        "--un-outlier-filtration", "false"]
+    with pytest.raises(ValueError, match="no fairseq flag"):
+        norm_flags("un", {"window": 4})
+
+
+class _Env:
+    def bin(self, name):
+        return name
+
+
+def test_experiments_give_the_papers_fairseq_commands(tmp_path):
+    for data in ("iwslt14", "wmt14"):
+        for norm in unnorm.available_norms():
+            cfg = config(f"+exp={data}_{norm}")
+            assert cfg.task == "translation" and cfg.norm.name == norm and cfg.data.name == data
+    cfg = config("+exp=iwslt14_un", "seed=3")
+    command = " ".join(launcher.train_command(cfg, _Env(), tmp_path, tmp_path / "checkpoints"))
+    for part in ["--arch unnorm_transformer_iwslt_de_en", "--encoder-normalize-before",
+                 "--decoder-normalize-before", "--share-all-embeddings", "--optimizer adam",
+                 "--adam-betas (0.9,0.98)", "--lr 0.0007", "--lr-scheduler inverse_sqrt",
+                 "--warmup-init-lr 1e-07", "--warmup-updates 6000", "--dropout 0.3",
+                 "--attention-dropout 0.1", "--activation-dropout 0.1", "--weight-decay 0.0001",
+                 "--criterion label_smoothed_cross_entropy", "--label-smoothing 0.1",
+                 "--max-tokens 4096", "--max-update 100000", "--keep-last-epochs 10",
+                 "--norm-type un", "--un-window 4", "--un-warmup 4000",
+                 "--un-outlier-filtration false", "--seed 3", "--log-format json"]:
+        assert part in command, part
+    assert cfg.recipe.average_last == 10 and cfg.recipe.generate.beam == 5 and cfg.recipe.generate.remove_bpe
+    wmt = config("+exp=wmt14_ln")
+    assert wmt.recipe.average_last == 5 and wmt.data.source_lang == "en" and wmt.data.target_lang == "fr"
+    assert "--arch unnorm_transformer_wmt_en_fr" in " ".join(launcher.train_command(wmt, _Env(), tmp_path, tmp_path))
+    small = effective_config(config("+exp=iwslt14_un", "scale=cpu"))
+    assert small.data.name == "synthetic_mt" and small.model.arch == "unnorm_transformer_tiny"
+    assert small.norm.warmup_iters == 40 and small.norm.outlier_filtration is False
+
+
+def test_synthetic_corpus_has_agreement_and_reordering():
+    splits = synthetic.generate(500, 50, 50, seed=7)
+    assert splits == synthetic.generate(500, 50, 50, seed=7) != synthetic.generate(500, 50, 50, seed=8)
+    sources = [{source for source, _ in splits[name]} for name in ("train", "valid", "test")]
+    assert sum(map(len, sources)) == 600 == len(set().union(*sources))  # distinct, disjoint
+    participles = {v[1]: v[3] for v in synthetic.VERBS}
+    presents = {v[0]: v[2] for v in synthetic.VERBS}
+    for source, target in splits["train"]:
+        words, english = source.split(), target.split()
+        if words[:4] == ["ich", "glaube", ",", "dass"]:   # verb-final -> SVO
+            assert english[:3] == ["i", "think", "that"] and presents[words[-1]] in english
+        elif words[-1] in participles:                    # participle last -> "has <participle>"
+            assert participles[words[-1]] == english[english.index("has") + 1]
+        for article, following in zip(english, english[1:]):
+            if article in ("a", "an"):
+                assert article == ("an" if following[0] in "aeiou" else "a")
+    assert any(word == "den" for source, _ in splits["train"] for word in source.split())
+
+
+def test_missing_environment_or_data_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNNORM_FAIRSEQ_ENV", str(tmp_path / "none"))
+    with pytest.raises(FileNotFoundError, match="make fairseq-env"):
+        launcher.FairseqEnv()
+    iwslt = config("+exp=iwslt14_un", f"data.root={tmp_path}").data
+    with pytest.raises(FileNotFoundError, match="prepare_iwslt14.sh"):
+        prepare(iwslt, tmp_path / "none")
+
+
+# ---- with fairseq --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def learned(synthetic_data, tmp_path_factory) -> dict:
+    """The CPU-scale runs of LN and UN (through the launcher, as scripts/train.py calls it)."""
+    runs = {}
+    for norm in ("ln", "un"):
+        out = tmp_path_factory.mktemp(norm) / "run"
+        runs[norm] = launcher.train(config(f"+exp=iwslt14_{norm}", "scale=cpu", "device=cpu"), out,
+                                    overrides=["scale=cpu"])
+    return runs
+
+
+@pytest.mark.parametrize("norm", ["ln", "un"])
+def test_a_few_hundred_updates_learn_to_translate(norm, learned, synthetic_data):
+    result = learned[norm]
+    assert result["status"] == "ok" and set(META) <= set(result), result
+    assert result["task"] == "translation" and result["norm"] == norm and result["scale"] == "cpu"
+    assert result["data"] == "synthetic_mt" and result["exp_data"] == "iwslt14"
+    assert 200 <= result["steps"] <= 500 and result["metrics"]["num_updates"] == result["steps"]
+    copy = subprocess.run([str(ENV / "bin" / "sacrebleu"), str(synthetic_data / "tok" / "test.en"),
+                           "-i", str(synthetic_data / "tok" / "test.de"), "-b"],
+                          capture_output=True, text=True, check=True)
+    copy_bleu = float(copy.stdout.strip())
+    metrics = result["metrics"]
+    assert metrics["bleu"] > copy_bleu + 40 and metrics["bleu_tokenized"] > copy_bleu + 40, (metrics, copy_bleu)
+    assert metrics["valid_loss"] < 4 and metrics["train_loss"] < 4
+    run = Path(result["run_dir"])
+    assert json.loads((run / "result.json").read_text())["metrics"] == metrics
+    assert (run / "checkpoints" / "checkpoint_avg3.pt").exists()
+    assert len((run / "test.hyp").read_text().splitlines()) == 300
+
+
+def test_ln_is_the_stock_transformer(synthetic_data, tmp_path):
+    """--norm-type ln reproduces stock transformer_iwslt_de_en (pre-norm): every update's loss,
+    and bitwise the weights after 40 updates with dropout on."""
+    common = [str(synthetic_data), "--user-dir", str(launcher.USER_DIR), "--task", "translation",
+              "--encoder-normalize-before", "--decoder-normalize-before", "--encoder-layers", "2",
+              "--decoder-layers", "2", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+              "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
+              "--share-all-embeddings", "--optimizer", "adam", "--adam-betas", "(0.9,0.98)",
+              "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+              "--dropout", "0.3", "--attention-dropout", "0.1", "--activation-dropout", "0.1",
+              "--weight-decay", "1e-4", "--criterion", "label_smoothed_cross_entropy",
+              "--label-smoothing", "0.1", "--max-tokens", "1024", "--max-update", "40",
+              "--log-format", "json", "--log-interval", "1", "--cpu", "--num-workers", "0",
+              "--seed", "3", "--no-epoch-checkpoints"]
+    losses = {}
+    for name, arch in (("stock", ["--arch", "transformer_iwslt_de_en"]),
+                       ("ours", ["--arch", "unnorm_transformer_iwslt_de_en", "--norm-type", "ln"])):
+        done = subprocess.run([str(ENV / "bin" / "fairseq-train"), *common, *arch,
+                               "--save-dir", str(tmp_path / name)], capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        losses[name] = update_losses(done.stdout + done.stderr)
+    assert len(losses["stock"]) == 40 and losses["stock"] == losses["ours"]
+    same = fairseq_python("tests/fairseq_checks.py", "same-weights",
+                          str(tmp_path / "stock" / "checkpoint_last.pt"),
+                          str(tmp_path / "ours" / "checkpoint_last.pt"))
+    assert same["identical"] and same["tensors"] > 100
+
+
+def test_padding_is_excluded_from_every_norm(synthetic_data):
+    """Through the whole model, for every norm, over training steps and in eval: more padding,
+    or noise at pad positions, changes no output at valid positions (see fairseq_checks.py)."""
+    summary = fairseq_python("tests/fairseq_checks.py", "padding", str(synthetic_data))
+    assert set(unnorm.available_norms()) <= set(summary)
+    assert summary["bn_without_masks"] > 1e-3  # the check would see leaking padding
+
+
+def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path):
+    """Killed after epoch 2, resumed with resume=<run dir>: fairseq restores checkpoint_last.pt
+    and every later update's loss equals the uninterrupted run's."""
+    args = [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "scale=cpu", "device=cpu"]
+    run = tmp_path / "run"
+    process = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=ROOT, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    log = run / "train.log"
+    while not (log.exists() and "(epoch 2 @" in log.read_text()) and time.time() < deadline:
+        assert process.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (run / "result.json").exists()
+    resumed = subprocess.run([*args, f"resume={run}"], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "ok" and result["steps"] == learned["un"]["steps"]
+    text = log.read_text()
+    loaded = re.findall(r"Loaded checkpoint \S+ \(epoch (\d+) @ (\d+) updates\)", text)
+    assert loaded and int(loaded[-1][0]) >= 2
+    after = update_losses(text[text.rindex("Loaded checkpoint"):])
+    reference = update_losses((Path(learned["un"]["run_dir"]) / "train.log").read_text())
+    assert min(after) == int(loaded[-1][1]) + 1 and max(after) == result["steps"]
+    assert after == {update: reference[update] for update in after}
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["+exp=iwslt14_un", "recipe.cpu.train.lr=100", "recipe.cpu.train.warmup_updates=1"],
+     "loss diverged"),
+    (["+exp=iwslt14_nonorm", "recipe.cpu.train.lr=1e6", "recipe.cpu.train.warmup_updates=1",
+      "collapse.min_steps=100000"], "fairseq stopped: gradients are Nan/Inf"),
+])
+def test_collapse_is_recorded_as_fail(overrides, reason, synthetic_data, tmp_path):
+    result = launcher.train(config(*overrides, "scale=cpu", "device=cpu"), tmp_path, overrides)
+    assert result["status"] == "FAIL" and reason in result["fail_reason"], result
+    assert isinstance(result["fail_step"], int) and result["fail_step"] == result["steps"] > 0
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "FAIL"
+    assert not (tmp_path / "generate-test.txt").exists()
+
+
+def test_iwslt14_preparation_script(fairseq_env, tmp_path):
+    """scripts/prepare_iwslt14.sh on a small corpus in IWSLT14's raw layout (de-en.tgz)."""
+    raw = tmp_path / "raw" / "de-en"
+    raw.mkdir(parents=True)
+    splits = synthetic.generate(460, 0, 50, seed=3)
+    tests = ["IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
+             "IWSLT14.TED.tst2011", "IWSLT14.TED.tst2012"]
+    for side, lang in ((0, "de"), (1, "en")):
+        lines = ["<url>http://www.ted.com/talks/a.html</url>", "<talkid>1</talkid>",
+                 "<title>Ein Titel</title>"]
+        lines += [pair[side].capitalize() + "." for pair in splits["train"]]
+        lines.append("Zu lang " * 200)  # dropped by cleaning (over 175 tokens)
+        (raw / f"train.tags.de-en.{lang}").write_text("\n".join(lines) + "\n")
+        for k, name in enumerate(tests):
+            segments = "".join(f'<seg id="{i}"> {pair[side].capitalize()} it’s &amp; </seg>\n'
+                               for i, pair in enumerate(splits["test"][10 * k:10 * k + 10], 1))
+            (raw / f"{name}.de-en.{lang}.xml").write_text(f'<doc docid="1">\n{segments}</doc>\n')
+    subprocess.run(["tar", "-czf", "de-en.tgz", "de-en"], cwd=raw.parent, check=True)
+    out = tmp_path / "iwslt14"
+    done = subprocess.run(["bash", "scripts/prepare_iwslt14.sh", str(raw.parent / "de-en.tgz"), str(out)],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WORKERS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(path.exists() for path in binarised_files(out, "de", "en"))
+    train, valid = (out / "tok" / "train.en").read_text().splitlines(), (out / "tok" / "valid.en").read_text().splitlines()
+    assert len(train) + len(valid) == 461 and len(valid) == 461 // 23  # title kept, long pair dropped
+    assert all(line == line.lower() for line in train) and train[1].endswith(" .")
+    test = (out / "tok" / "test.de").read_text().splitlines()
+    assert len(test) == 50 and "it &apos; s &amp; amp ;" in test[0]  # Moses' splitting and escaping
