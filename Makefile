@@ -10,11 +10,15 @@ FAIRSEQ_STAMP := $(FAIRSEQ_VENV)/.installed
 PYTHON310 ?= $(shell for p in $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10; do \
 	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' 2>/dev/null && { command -v "$$p"; break; }; done)
 
-.PHONY: run test bench fairseq-env
+# mmdetection (detection's second backend) shares .venv's torch; mmcv's ops are compiled once
+# (about 20 min on 2 cores) into a wheel cached under ~/.cache/unnorm/wheels.
+MMDET_STAMP := $(VENV)/.mmdet-installed
+
+.PHONY: run test bench fairseq-env mmdet
 run: $(STAMP)  ## the main job, on embedded data at CPU scale
 	$(PY) scripts/train.py +exp=swin_t_un scale=cpu
 
-test: $(STAMP) $(if $(PYTHON310),$(FAIRSEQ_STAMP))  ## the test suite
+test: $(STAMP) $(MMDET_STAMP) $(if $(PYTHON310),$(FAIRSEQ_STAMP))  ## the test suite
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -24,6 +28,12 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[all]"
+	touch $@
+
+mmdet: $(MMDET_STAMP)  ## mmcv (compiled ops), mmengine and mmdet into .venv
+
+$(MMDET_STAMP): $(STAMP) scripts/install_mmdet.sh requirements/mmdet.txt
+	scripts/install_mmdet.sh $(PY)
 	touch $@
 
 fairseq-env: $(FAIRSEQ_STAMP)  ## the Python 3.10 environment for translation

@@ -19,7 +19,7 @@ def effective_config(cfg: DictConfig) -> DictConfig:
         cfg.model = OmegaConf.merge(cfg.model, cfg.model.get(scale.name) or {})
         cfg.recipe = OmegaConf.merge(cfg.recipe, cfg.recipe.get(scale.name) or {})
     small_data = (scale.data or {}).get(cfg.task)
-    if small_data:
+    if small_data and cfg.data.name != small_data:  # chosen explicitly: kept with its overrides
         cfg.data = OmegaConf.merge(cfg.data, OmegaConf.load(CONFIGS / "data" / f"{small_data}.yaml"))
     if scale.norm_warmup_iters is not None and "warmup_iters" in cfg.norm:
         cfg.norm.warmup_iters = scale.norm_warmup_iters

@@ -4,10 +4,14 @@ and the training-step cost of every norm, measured side by side in one run.
     python scripts/benchmark.py                                  # GPU if present, else CPU
     python scripts/benchmark.py --batch 512 --img-size 224       # the paper's setting (GPU)
     python scripts/benchmark.py --models swin_t --no-compile --rounds 5
+    python scripts/benchmark.py --models mask_rcnn_swin_t --det-batch 2   # Table 8's COCO row
 
 Variants, per model: ``ln``; ``un`` (unfolded); ``un_folded`` (every UN folded into its
 linear consumer or a frozen affine); ``no_norm`` (every norm removed: what folding can reach
-at best). Each runs eager and, unless --no-compile, under ``torch.compile``. Rounds
+at best). Each runs eager and, unless --no-compile, under ``torch.compile`` (classifiers;
+Mask R-CNN runs eager: torchvision's detectors have data-dependent control flow). Mask R-CNN
+(Swin-T + FPN, torchvision) takes ``--det-batch`` COCO-sized 640x480 images, which it resizes
+to 800 px on the short side as in evaluation. Rounds
 interleave the variants in a shuffled order so drift affects all alike; medians are reported.
 Peak memory: GPU max allocated, or on CPU the peak RSS during inference of a fresh subprocess
 per variant (weights and activations on top of the loaded libraries).
@@ -25,26 +29,36 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import unnorm  # noqa: E402
 from plugins.timm import create_classifier, fold_model  # noqa: E402
+from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
 
-MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14"}
+MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14",
+          "mask_rcnn_swin_t": "configs/model/faster_rcnn_swin_t.yaml"}  # + masks, as mask_rcnn_swin_t.yaml
+DETECTORS = {"mask_rcnn_swin_t"}
 VARIANTS = ("ln", "un", "un_folded", "no_norm")
 UN_OPTIONS = {"warmup_iters": 0, "outlier_filtration": True}
+COCO_IMAGE = (480, 640)  # a typical COCO image; the detector resizes it to 800 x 1066
 
 
 def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
     """An eval-mode model of the variant (weights random: speed does not depend on them)."""
     norm = {"ln": "ln", "un": "un", "un_folded": "un", "no_norm": "nonorm"}[variant]
     options = UN_OPTIONS if norm == "un" else {}
-    net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
+    if model in DETECTORS:
+        config = OmegaConf.load(ROOT / MODELS[model])
+        config.masks = True
+        net = build_detector(config, {"name": norm, **options}, num_classes=81)
+    else:
+        net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
     net.eval()
     if variant == "un_folded":
-        fold_model(net)
+        fold_detector(net) if model in DETECTORS else fold_model(net)
     elif variant == "no_norm":
         for name, module in list(net.named_modules()):
             if isinstance(module, unnorm.ChannelNorm):
@@ -78,14 +92,20 @@ def machine(device: torch.device) -> str:
     return f"{name}, {torch.get_num_threads()} threads"
 
 
+def inputs(model: str, args, device: torch.device) -> torch.Tensor:
+    if model in DETECTORS:
+        return torch.rand(args.det_batch, 3, *COCO_IMAGE, device=device)
+    return torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
+
+
 def inference(args, device) -> list[dict]:
-    images = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
+    images = {model: inputs(model, args, device) for model in args.models}
     runners = {}
     for model in args.models:
         for variant in VARIANTS:
             net = build(model, variant, args.img_size, device)
             modes = {"eager": net}
-            if args.compile:
+            if args.compile and model not in DETECTORS:
                 modes["compile"] = torch.compile(net)
             for mode, fn in modes.items():
                 runners[(model, variant, mode)] = fn
@@ -97,7 +117,7 @@ def inference(args, device) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             for _ in range(args.warmup):
-                fn(images)
+                fn(images[key[0]])
             if device.type == "cuda":
                 synchronize(device)
                 memory[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
@@ -106,15 +126,17 @@ def inference(args, device) -> list[dict]:
         for _ in range(args.rounds):
             random.shuffle(order)
             for key in order:
-                times[key].append(time_batches(lambda: runners[key](images), args.batches, device))
+                times[key].append(time_batches(lambda: runners[key](images[key[0]]), args.batches,
+                                               device))
     if device.type == "cpu":
         for model in args.models:
             for variant in VARIANTS:
                 memory[(model, variant, "eager")] = cpu_peak_rss(model, variant, args)
     rows = []
     for (model, variant, mode), values in times.items():
-        rows.append({"model": model, "variant": variant, "mode": mode,
-                     "images_per_s": args.batch * args.batches / statistics.median(values),
+        batch = len(images[model])
+        rows.append({"model": model, "variant": variant, "mode": mode, "batch": batch,
+                     "images_per_s": batch * args.batches / statistics.median(values),
                      "peak_mem_mb": memory.get((model, variant, mode))})
     return rows
 
@@ -123,7 +145,8 @@ def cpu_peak_rss(model: str, variant: str, args) -> float:
     """Peak resident memory of a fresh process running the variant's inference (MB)."""
     probe = subprocess.run(
         [sys.executable, __file__, "--rss-probe", model, variant, "--batch", str(args.batch),
-         "--img-size", str(args.img_size)], capture_output=True, text=True, check=True)
+         "--det-batch", str(args.det_batch), "--img-size", str(args.img_size)],
+        capture_output=True, text=True, check=True)
     return json.loads(probe.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
@@ -131,7 +154,7 @@ def rss_probe(model: str, variant: str, args) -> None:
     """Peak RSS while running inference: the kernel's high-water mark is reset first
     (``/proc/self/clear_refs``), so the import-time peak of torch's libraries does not mask it."""
     net = build(model, variant, args.img_size, torch.device("cpu"))
-    images = torch.randn(args.batch, 3, args.img_size, args.img_size)
+    images = inputs(model, args, torch.device("cpu"))
     Path("/proc/self/clear_refs").write_text("5")
     with torch.inference_mode():
         for _ in range(3):
@@ -146,7 +169,7 @@ def training(args, device) -> list[dict]:
     images = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device)
     labels = torch.randint(0, 1000, (args.train_batch,), device=device)
     steps = {}
-    for model in args.models:
+    for model in [m for m in args.models if m not in DETECTORS]:
         for norm in unnorm.available_norms():
             options = {"warmup_iters": 0} if norm in ("un", "mabn", "pn", "pn_ls") else {}
             net = create_classifier(MODELS[model], {"name": norm, **options}, 1000,
@@ -193,6 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batch", type=int, default=None, help="inference batch (GPU 512, CPU 8)")
+    parser.add_argument("--det-batch", type=int, default=2, help="Mask R-CNN inference batch")
     parser.add_argument("--train-batch", type=int, default=None, help="GPU 128, CPU 4")
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
@@ -220,6 +244,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "device": machine(device), "torch": torch.__version__, "batch": args.batch,
+        "det_batch": args.det_batch,
         "train_batch": args.train_batch, "img_size": args.img_size, "rounds": args.rounds,
         "batches_per_round": args.batches, "command": " ".join(sys.argv),
         "inference": inference_rows, "training": training_rows, "table": table}, indent=2))

@@ -2,10 +2,12 @@
 
     python scripts/fold.py runs/swin_t_un-cpu/<time>            # writes folded.pt beside it
     python scripts/fold.py runs/.../last.pt --ema --out swin_un_folded.pt
+    python scripts/fold.py runs/mask_rcnn_swin_t_un-cpu/<time>  # a detector's Swin backbone
 
 Every norm becomes part of the linear layer that reads it (qkv, fc1, patch-merging reduction,
-head) or, where none does directly, a frozen per-channel affine. The script checks that the
-folded model's eval outputs match the original on random inputs and prints the error.
+head; a detector's FPN laterals) or, where none does directly, a frozen per-channel affine.
+The script checks that the folded model's eval outputs (a detector's FPN features) match the
+original on random inputs and prints the error.
 """
 from __future__ import annotations
 
@@ -20,13 +22,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import unnorm  # noqa: E402
 from plugins.timm import fold_model, model_from_config  # noqa: E402
+from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
+
+
+def _model(cfg, weights: dict) -> torch.nn.Module:
+    """The model of a run config: a classifier, or a detector sized by its saved classifier."""
+    if cfg.task == "detection":
+        classes = weights["roi_heads.box_predictor.cls_score.weight"].shape[0]
+        return build_detector(cfg.model, cfg.norm, classes)
+    return model_from_config(cfg)
+
+
+def _fold(cfg, model: torch.nn.Module) -> dict:
+    return fold_detector(model) if cfg.task == "detection" else fold_model(model)
 
 
 def load_folded(path: Path) -> torch.nn.Module:
     """Rebuild a model saved by this script: its structure, folded, then its weights."""
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    model = model_from_config(OmegaConf.create(saved["config"])).eval()
-    fold_model(model)
+    cfg = OmegaConf.create(saved["config"])
+    model = _model(cfg, saved["model"]).eval()
+    _fold(cfg, model)
     model.load_state_dict(saved["model"])
     return model
 
@@ -49,15 +65,19 @@ def main() -> None:
     weights = saved["model_ema"] if args.ema else saved["model"]
     if weights is None:
         sys.exit("this run kept no EMA weights; drop --ema")
-    model = model_from_config(cfg)
+    model = _model(cfg, weights)
     model.load_state_dict(weights)
     model.eval()
-    images = torch.randn(args.check_batch, 3, cfg.model.img_size, cfg.model.img_size)
+    detection = cfg.task == "detection"
+    size = cfg.model.min_size[-1] if detection else cfg.model.img_size
+    images = torch.randn(args.check_batch, 3, size, size)
+    run = model.backbone if detection else model
     with torch.no_grad():
-        before = model(images)
-        done = fold_model(model)
-        after = model(images)
-    error = ((after - before).abs().max() / before.abs().max()).item()
+        before = run(images)
+        done = _fold(cfg, model)
+        after = run(images)
+    pairs = [(after[k], before[k]) for k in before] if detection else [(after, before)]
+    error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
     out = args.out or path.with_name("folded.pt")
     torch.save({"model": model.state_dict(), "config": saved["config"], "fold": done}, out)
     print(f"folded {done['folded']} norms into linear layers, {done['affine']} into frozen "

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonorm", "BN": "bn",
                 "MABN": "mabn", "PN": "pn", "UN": "un"}
 SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.")
-CPU_NOTE = "† CPU scale on the embedded digits (scale=cpu), not the paper's dataset or schedule."
+CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
+            "generated shapes), not the paper's dataset or schedule.")
 
 
 def load_runs(root: Path) -> list[dict]:
@@ -104,15 +105,18 @@ def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
     return Table(title, header, rows, ["Each cell: paper / ours."])
 
 
-def sweep_table(title, values: list, paper_rows: dict, runs, key: str, metric: str) -> Table:
-    """Columns: the swept values; rows: the paper's metrics, then ours (UN runs sweeping key)."""
+def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
+    """Columns: the swept values; rows: the paper's metrics, then ours (UN runs sweeping key),
+    a row per (task, model, data) in that task's metric."""
     header = [key] + [str(v) for v in values]
     rows = [[name] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
     swept = [r for r in runs if r.get("norm") == "un" and override_value(r, key) is not None]
-    groups: dict[str, list] = {}
+    groups: dict[tuple, list] = {}
     for run in swept:
-        groups.setdefault((run.get("model"), run.get("exp_data")), []).append(run)
-    for (model, data), group in sorted(groups.items()):
+        groups.setdefault((run.get("task", "classification"), run.get("model"), run.get("exp_data")),
+                          []).append(run)
+    for (task, model, data), group in sorted(groups.items()):
+        metric = TASK_METRIC[task]
         cells = [Cell([r for r in group if _same(override_value(r, key), v)]).text(metric) for v in values]
         rows.append([f"ours: {model} {data} {metric}"] + cells)
     return Table(title, header, rows)
@@ -165,12 +169,12 @@ def efficiency_table(paper: dict, benchmarks: Path) -> Table:
                 continue
             un = by[(model, "un_folded", mode)]
             mem = (ln["peak_mem_mb"], un["peak_mem_mb"])
-            rows.append([f"ours {model} {mode} bs{bench['batch']} ({bench['device']})",
+            rows.append([f"ours {model} {mode} bs{ln.get('batch', bench['batch'])} ({bench['device']})",
                          f"{mem[0]:.0f}" if mem[0] else "—", f"{mem[1]:.0f}" if mem[1] else "—",
                          f"{1 - mem[1] / mem[0]:.1%}" if all(mem) else "—",
                          f"{ln['images_per_s']:.1f}", f"{un['images_per_s']:.1f}",
                          f"{un['images_per_s'] / ln['images_per_s'] - 1:.1%}"])
-    return Table("Table 8: inference efficiency, LN vs folded UN (Swin-T)", header, rows,
+    return Table("Table 8: inference efficiency, LN vs folded UN (Swin-T; Mask R-CNN Swin-T)", header, rows,
                  ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole process."])
 
 
@@ -197,18 +201,18 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
                        ["box_AP", "mask_AP"], runs),
         sweep_table("Table 6: window size M", paper["table6_window_size_mask_rcnn_12ep"]["M"],
                     {f"paper {k}": v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items()
-                     if k != "M"}, runs, "norm.window_size", "top1"),
+                     if k != "M"}, runs, "norm.window_size"),
         sweep_table("Table 7: outlier filtration", [True, False],
                     {f"paper {k}": [paper["table7_outlier_filtration"]["with"][k],
                                     paper["table7_outlier_filtration"]["without"][k]]
                      for k in paper["table7_outlier_filtration"]["with"]},
-                    runs, "norm.outlier_filtration", "top1"),
+                    runs, "norm.outlier_filtration"),
         efficiency_table(paper["table8_efficiency_swin_t"], benchmarks),
         ablation_table("Table 9: UN components, IWSLT14 BLEU", paper["table9_ablation_iwslt14"],
                        ["bleu"], [r for r in runs if r.get("task") == "translation"]),
         sweep_table("Table 10: momentum alpha", paper["table10_alpha"]["alpha"],
                     {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
-                    runs, "norm.momentum", "top1"),
+                    runs, "norm.momentum"),
     ]
     return tables
 

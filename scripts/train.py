@@ -24,8 +24,18 @@ def main(cfg: DictConfig) -> float:
     elif cfg.task == "translation":
         from plugins.fairseq.launcher import CHECKPOINT, train
         metric = "bleu"
+    elif cfg.task == "detection" and cfg.model.backend == "torchvision":
+        from plugins.torchvision.trainer import CHECKPOINT, train
+        metric = "bbox_AP"
+    elif cfg.task == "detection" and cfg.model.backend == "mmdet":
+        from plugins.mmdet.runner import CHECKPOINT, train
+        metric = "bbox_AP"
+    elif cfg.task == "detection":
+        raise ValueError(f"unknown detection backend {cfg.model.backend!r}; choose "
+                         "model.backend=torchvision or model.backend=mmdet")
     else:
-        raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification, translation")
+        raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification, "
+                         "translation, detection")
     out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
     if cfg.resume and not (out_dir / CHECKPOINT).exists():
         raise FileNotFoundError(f"resume={cfg.resume}: no {CHECKPOINT} there; pass the run "

@@ -2,7 +2,8 @@
 
 An offline norm in eval mode is ``x * scale + shift`` per channel. Followed by
 ``Linear(W, b)`` it folds into ``W' = W * scale`` (column scaling) and ``b' = b + W @ shift``,
-exactly up to rounding, provided nothing between them breaks a per-channel affine.
+exactly up to rounding, provided nothing between them breaks a per-channel affine. A 1x1
+convolution (e.g. an FPN lateral) is the same linear map at every pixel and folds alike.
 """
 from __future__ import annotations
 
@@ -43,27 +44,37 @@ def _check_foldable(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return norm.inference_affine()
 
 
+def _is_pointwise(layer: nn.Module, channels: int) -> bool:
+    """A linear map over ``channels`` input channels: nn.Linear, or a plain 1x1 convolution."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features == channels
+    return (isinstance(layer, nn.Conv2d) and layer.in_channels == channels and layer.groups == 1
+            and layer.kernel_size == (1, 1) and layer.padding in ((0, 0), "valid"))
+
+
 @torch.no_grad()
-def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Linear]) -> FoldedNorm:
+def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> FoldedNorm:
     """Fold ``norm`` into every linear layer that consumes its output (e.g. q, k, v).
 
-    The linears are changed in place; put the returned module where the norm was.
+    Consumers are ``nn.Linear`` or 1x1 ``nn.Conv2d`` layers, changed in place; put the
+    returned module where the norm was.
     """
     scale, shift = (t.double() for t in _check_foldable(norm))
     if not linears:
         raise ValueError("no linear consumer given; use to_affine(norm) for such a norm")
     for linear in linears:
-        if not isinstance(linear, nn.Linear) or linear.in_features != scale.numel():
-            raise ValueError(f"cannot fold a {scale.numel()}-channel norm into {linear!r}: "
-                             "a consumer must be an nn.Linear with matching in_features")
+        if not _is_pointwise(linear, scale.numel()):
+            raise ValueError(f"cannot fold a {scale.numel()}-channel norm into {linear!r}: a "
+                             "consumer must be an nn.Linear or 1x1 nn.Conv2d reading that many channels")
         weight = linear.weight.double()
-        bias = weight @ shift
+        matrix = weight.reshape(weight.shape[0], weight.shape[1])
+        bias = matrix @ shift
         if linear.bias is not None:
             bias += linear.bias.double()
             linear.bias.copy_(bias)
         else:
             linear.bias = nn.Parameter(bias.to(linear.weight.dtype))
-        linear.weight.copy_(weight * scale)
+        linear.weight.copy_((matrix * scale).reshape(weight.shape))
     return FoldedNorm()
 
 

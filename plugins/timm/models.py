@@ -1,7 +1,7 @@
 """timm models with our norms, and their fold plans (which linear reads each norm)."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import timm
 import torch
@@ -39,28 +39,48 @@ def model_from_config(cfg) -> nn.Module:
 
 
 def _swin_block_pads(block: SwinTransformerBlock) -> bool:
+    """Whether the block zero-pads its windows after norm1: at a fixed input size, when the
+    map does not tile into windows; at any input size (dynamic mask), possibly."""
+    if getattr(block, "dynamic_mask", False):
+        return True
     height, width = block.input_resolution
     return bool(height % block.window_size[0] or width % block.window_size[1])
 
 
-def fold_plan(model: nn.Module) -> dict[str, list[str]]:
-    """Map each norm of a Swin or T2T-ViT to the linear layers reading its output.
+def swin_fold_plan(model: SwinTransformer) -> dict[str, list[str]]:
+    """The fold plan of a Swin's stages (patch embedding, blocks, patch merging).
 
-    Empty lists mark norms that become a frozen affine: Swin's patch-embedding norm (it feeds
-    the residual stream) and block norms whose windows are zero-padded after the norm (the
+    Empty lists mark norms that become a frozen affine: the patch-embedding norm (it feeds
+    the residual stream) and block norms whose windows get zero-padded after the norm (the
     padded tokens would see the folded bias, and Swin does not mask them).
     """
-    plan: dict[str, list[str]] = {}
+    plan: dict[str, list[str]] = {"patch_embed.norm": []}
+    for name, module in model.named_modules():
+        if isinstance(module, SwinTransformerBlock):
+            plan[f"{name}.norm1"] = [] if _swin_block_pads(module) else [f"{name}.attn.qkv"]
+            plan[f"{name}.norm2"] = [f"{name}.mlp.fc1"]
+        elif name.endswith("downsample") and hasattr(module, "reduction"):
+            plan[f"{name}.norm"] = [f"{name}.reduction"]
+    return plan
+
+
+def check_plan(model: nn.Module, plan: dict[str, list[str]]) -> dict[str, list[str]]:
+    """A fold plan must name every norm of the model, and only those."""
+    present = {name for name, module in model.named_modules()
+               if isinstance(module, unnorm.ChannelNorm)}
+    if present != set(plan):
+        raise RuntimeError(f"fold plan and model disagree: plan misses {sorted(present - set(plan))}, "
+                           f"model lacks {sorted(set(plan) - present)}")
+    return plan
+
+
+def fold_plan(model: nn.Module) -> dict[str, list[str]]:
+    """Map each norm of a Swin or T2T-ViT classifier to the linear layers reading its output."""
     if isinstance(model, SwinTransformer):
-        plan["patch_embed.norm"] = []
-        for name, module in model.named_modules():
-            if isinstance(module, SwinTransformerBlock):
-                plan[f"{name}.norm1"] = [] if _swin_block_pads(module) else [f"{name}.attn.qkv"]
-                plan[f"{name}.norm2"] = [f"{name}.mlp.fc1"]
-            elif name.endswith("downsample") and hasattr(module, "reduction"):
-                plan[f"{name}.norm"] = [f"{name}.reduction"]
+        plan = swin_fold_plan(model)
         plan["norm"] = ["head.fc"]  # global average pooling commutes with the affine
     elif isinstance(model, T2TViT):
+        plan = {}
         layers = ["tokens_to_token.layer1", "tokens_to_token.layer2"]
         layers += [f"blocks.{i}" for i in range(len(model.blocks))]
         for name in layers:
@@ -70,18 +90,14 @@ def fold_plan(model: nn.Module) -> dict[str, list[str]]:
     else:
         raise TypeError(f"no fold plan for {type(model).__name__}; write one mapping each norm "
                         "to the linear layers that read it (unnorm.fold_norms)")
-    present = {name for name, module in model.named_modules()
-               if isinstance(module, unnorm.ChannelNorm)}
-    if present != set(plan):
-        raise RuntimeError(f"fold plan and model disagree: plan misses {sorted(present - set(plan))}, "
-                           f"model lacks {sorted(set(plan) - present)}")
-    return plan
+    return check_plan(model, plan)
 
 
 @torch.no_grad()
-def fold_model(model: nn.Module) -> dict[str, int]:
-    """Fold every offline norm of an eval-mode model in place; returns what was done."""
-    plan = fold_plan(model)
+def fold_model(model: nn.Module, plan: Optional[dict[str, list[str]]] = None) -> dict[str, int]:
+    """Fold every offline norm of an eval-mode model in place (by ``plan``, by default the
+    classifier's); returns how many norms went into linear layers and how many into affines."""
+    plan = plan if plan is not None else fold_plan(model)
     unnorm.fold_norms(model, plan)
     return {"folded": sum(1 for linears in plan.values() if linears),
             "affine": sum(1 for linears in plan.values() if not linears)}

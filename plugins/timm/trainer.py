@@ -5,17 +5,11 @@ resumes from it; a collapse ends the run cleanly with ``status: FAIL`` in ``resu
 """
 from __future__ import annotations
 
-import inspect
-import os
-import random
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
@@ -23,59 +17,19 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, accuracy, dispatch_clip_grad
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import unnorm
 from plugins.logger import make_logger
 from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, save_atomic
 from plugins.scale import effective_config
+from plugins.training import (Distributed, amp_context, data_parallel, gather_rng, load_weights,
+                              save_statistics, seed_everything, set_rng_state)
 
 from .data import build_datasets
 from .models import model_from_config, norm_options
 
 CHECKPOINT = "last.pt"
-
-
-class Distributed:
-    """Process-group facts for one process (a single process when not under torchrun)."""
-
-    def __init__(self, device_name: str):
-        if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-            import submitit  # a SLURM job array task: export torchrun's variables from SLURM's
-            submitit.helpers.TorchDistributedEnvironment().export()
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device_name == "auto":
-            device_name = "cuda" if torch.cuda.is_available() else "cpu"
-        if device_name == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu")
-        self.device = torch.device(f"cuda:{local}" if device_name == "cuda" else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor)
-            tensor /= self.world
-        return tensor
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: float) -> list[dict]:
@@ -93,41 +47,6 @@ def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: floa
             for (decay, is_head), params in groups.items()]
 
 
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
-def _load_init(model: nn.Module, path: str, reset_steps: bool) -> str:
-    """Initialise from one of our checkpoints; a classifier of another size is left new."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"init_from checkpoint not found: {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    state = state.get("model_ema") or state.get("model") or state
-    own = model.state_dict()
-    head = {k for k in state if k in own and state[k].shape != own[k].shape}
-    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in head},
-                                                strict=False)
-    if unexpected or set(missing) - head:
-        raise RuntimeError(f"{path} does not fit this model: missing {sorted(missing)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
-    if reset_steps:
-        unnorm.reset_steps(model)
-    return f"{path} (new: {sorted(head)})" if head else path
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, world: Distributed, amp) -> dict:
     model.eval()
@@ -141,14 +60,6 @@ def evaluate(model: nn.Module, loader, world: Distributed, amp) -> dict:
                                torch.tensor(float(len(targets)), device=world.device)])
     totals = world.sum(totals)
     return {"top1": (100 * totals[0] / totals[2]).item(), "top5": (100 * totals[1] / totals[2]).item()}
-
-
-def _amp_context(cfg, device: torch.device):
-    if not cfg.amp or device.type != "cuda":
-        return nullcontext, None
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-    return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
 
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
@@ -169,7 +80,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     recipe, device = cfg.recipe, world.device
     run = RunDirectory(out_dir, writer=world.main)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
-    _seed(cfg.seed + world.rank)
+    seed_everything(cfg.seed + world.rank)
 
     train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
     if recipe.batch_size % world.world:
@@ -193,7 +104,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     model = model_from_config(cfg).to(device)
     init = "scratch"
     if cfg.init_from:
-        init = _load_init(model, cfg.init_from, cfg.reset_norm_steps)
+        init = load_weights(model, cfg.init_from, cfg.reset_norm_steps)
     elif recipe.requires_init and cfg.scale.name == "full":
         raise ValueError(f"recipe {recipe.name} fine-tunes: pass init_from=<checkpoint of the "
                          "ImageNet run> (runs/<exp>/<time>/last.pt)")
@@ -217,7 +128,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         criterion = LabelSmoothingCrossEntropy(recipe.label_smoothing)
     else:
         criterion = nn.CrossEntropyLoss()
-    amp, scaler = _amp_context(cfg, device)
+    amp, scaler = amp_context(cfg.amp, device)
     detector = CollapseDetector(**cfg.collapse)
     start_epoch, step = 0, 0
 
@@ -233,11 +144,11 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
-        _set_rng_state(state["rng"][world.rank] if world.rank < len(state["rng"]) else state["rng"][0])
+        set_rng_state(state["rng"], world.rank)
         if world.main:
             print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
 
-    net = _data_parallel(model, device) if world.world > 1 else model
+    net = data_parallel(model, device) if world.world > 1 else model
     meta = {**meta, "task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,
             "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
             "seed": cfg.seed, "scale": cfg.scale.name, "epochs": epochs, "init": init,
@@ -303,7 +214,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
             logger.log(metrics, step=step)
             if recorder is not None:
                 stats_chunks.append(recorder.flush())
-                _save_statistics(run, epoch, stats_chunks)
+                save_statistics(run, epoch, stats_chunks)
             if world.main:
                 print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
                       f"top1 {metrics['top1']:.2f}" + (f" (ema {metrics['top1_ema']:.2f})" if ema else ""))
@@ -312,10 +223,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                              "model_ema": ema.module.state_dict() if ema is not None else None,
                              "scaler": scaler.state_dict() if scaler is not None else None,
                              "epoch": epoch, "step": step, "init": init,
-                             "rng": _gather_rng(world), "config": OmegaConf.to_container(cfg)},
+                             "rng": gather_rng(world), "config": OmegaConf.to_container(cfg)},
                             checkpoint_path)
             elif world.world > 1:
-                _gather_rng(world)
+                gather_rng(world)
         result = run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": step})
     except TrainingCollapsed as collapse:
         result = run.write_result(status="FAIL", metrics=metrics, meta={**meta, "steps": collapse.step},
@@ -327,36 +238,3 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
             recorder.close()
         logger.finish()
     return result
-
-
-def _data_parallel(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """DDP that leaves norm buffers per replica (the paper's statistics; sync_stats shares)."""
-    no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.15 name
-                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                      else {"broadcast_buffers": False})
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **no_buffer_sync)
-
-
-def _gather_rng(world: Distributed) -> list:
-    """Every replica's RNG state, so a resumed run draws the same augmentations."""
-    state = _rng_state()
-    if world.world == 1:
-        return [state]
-    gathered = [None] * world.world
-    dist.all_gather_object(gathered, state)
-    return gathered
-
-
-def _save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
-    """Concatenate the epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
-    if not run.writer:
-        return
-    merged: dict = {}
-    for chunk in chunks:
-        for layer, values in chunk.items():
-            for key, tensor in values.items():
-                merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
-    merged = {layer: {k: torch.cat(v) for k, v in values.items()} for layer, values in merged.items()}
-    (run.path / "stats").mkdir(exist_ok=True)
-    torch.save(merged, run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")

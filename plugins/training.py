@@ -1,0 +1,149 @@
+"""Training plumbing every task's trainer shares: processes, seeds and RNG states, autocast,
+DDP, and initialising from one of our checkpoints."""
+from __future__ import annotations
+
+import inspect
+import os
+import random
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import unnorm
+from plugins.runlog import RunDirectory
+
+
+class Distributed:
+    """Process-group facts for one process (a single process when not under torchrun)."""
+
+    def __init__(self, device_name: str):
+        if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+            import submitit  # a SLURM job array task: export torchrun's variables from SLURM's
+            submitit.helpers.TorchDistributedEnvironment().export()
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_name == "auto":
+            device_name = "cuda" if torch.cuda.is_available() else "cpu"
+        if device_name == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu")
+        self.device = torch.device(f"cuda:{local}" if device_name == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+            tensor /= self.world
+        return tensor
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def gather(self, obj) -> list:
+        """Every replica's ``obj`` (picklable), in rank order."""
+        if self.world == 1:
+            return [obj]
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(states: list[dict], rank: int) -> None:
+    """Restore this replica's RNG state from ``gather_rng``'s list (rank 0's if it had fewer)."""
+    state = states[rank] if rank < len(states) else states[0]
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def gather_rng(world: Distributed) -> list:
+    """Every replica's RNG state, so a resumed run draws the same augmentations."""
+    return world.gather(rng_state())
+
+
+def load_weights(model: nn.Module, path: str, reset_steps: bool,
+                 ignore: Sequence[str] = ()) -> str:
+    """Initialise ``model`` from one of our checkpoints (its EMA weights when it kept them).
+
+    Tensors whose shape differs (a classifier of another size) stay new, as do keys starting
+    with an ``ignore`` prefix; anything else that does not fit is an error. ``reset_steps``
+    restarts UN/MABN/PN step counters, so their warm-up runs again on the new task.
+    """
+    if not Path(path).exists():
+        raise FileNotFoundError(f"init_from checkpoint not found: {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = state.get("model_ema") or state.get("model") or state
+    state = {k: v for k, v in state.items() if not k.startswith(tuple(ignore))}
+    own = model.state_dict()
+    resized = {k for k in state if k in own and state[k].shape != own[k].shape}
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in resized},
+                                                strict=False)
+    if unexpected or set(missing) - resized:
+        raise RuntimeError(f"{path} does not fit this model: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    if reset_steps:
+        unnorm.reset_steps(model)
+    return f"{path} (new: {sorted(resized)})" if resized else path
+
+
+def amp_context(enabled: bool, device: torch.device):
+    """bf16 (or fp16 with a grad scaler) autocast on CUDA; nothing elsewhere."""
+    if not enabled or device.type != "cuda":
+        return nullcontext, None
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
+
+
+def data_parallel(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """DDP that leaves norm buffers per replica (the paper's statistics; sync_stats shares)."""
+    no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.15 name
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   **no_buffer_sync)
+
+
+def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
+    """Concatenate the epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
+    if not run.writer:
+        return
+    merged: dict = {}
+    for chunk in chunks:
+        for layer, values in chunk.items():
+            for key, tensor in values.items():
+                merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
+    merged = {layer: {k: torch.cat(v) for k, v in values.items()} for layer, values in merged.items()}
+    (run.path / "stats").mkdir(exist_ok=True)
+    torch.save(merged, run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")

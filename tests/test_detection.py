@@ -1,0 +1,264 @@
+"""The detection path (torchvision Faster / Mask R-CNN on a Swin backbone with our norms) on
+generated shapes: data, COCO evaluation, training, resume, collapse, folding."""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+
+import unnorm
+from plugins.scale import effective_config
+from plugins.torchvision.coco import CocoInstances, coco_evaluate, to_coco_results
+from plugins.torchvision.detectors import build_detector, detector_fold_plan, fold_detector
+from plugins.torchvision.shapes import CATEGORIES, ensure_shapes, render_image
+from plugins.torchvision.trainer import build_datasets, evaluate, train
+from plugins.training import Distributed
+from test_vision import ROOT, config, run_script
+
+QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2"]
+
+
+def _data(tmp_path, train=16, val=4):
+    """The generated shapes, chosen explicitly so their size can be set."""
+    return ["data=shapes", f"data.root={tmp_path / 'shapes'}", f"data.generate.num_train={train}",
+            f"data.generate.num_val={val}"]
+
+
+def _coco(images: list[dict], annotations: list[dict]) -> COCO:
+    coco = COCO()
+    coco.dataset = {"images": images, "annotations": annotations, "categories": CATEGORIES}
+    coco.createIndex()
+    return coco
+
+
+def _box_annotation(ann_id, image_id, box, category=1):
+    x, y, w, h = box
+    return {"id": ann_id, "image_id": image_id, "category_id": category, "bbox": box,
+            "area": w * h, "iscrowd": 0,
+            "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]]}
+
+
+def test_coco_ap_of_known_predictions():
+    """Closed forms: exact boxes score 100; a false positive ranked above the only true one
+    halves precision at every recall (AP 50); a box at IoU 0.58 is a hit at thresholds 0.50
+    and 0.55 only, 2 of COCO's 10 (AP 20, AP50 100, AP75 0)."""
+    images = [{"id": 1, "width": 200, "height": 200}]
+    coco = _coco(images, [_box_annotation(1, 1, [20, 20, 100, 100])])
+    exact = [{"image_id": 1, "category_id": 1, "bbox": [20, 20, 100, 100], "score": 0.9}]
+    assert coco_evaluate(coco, exact)["bbox_AP"] == pytest.approx(100)
+    decoy = {"image_id": 1, "category_id": 1, "bbox": [150, 150, 40, 40], "score": 0.95}
+    assert coco_evaluate(coco, exact + [decoy])["bbox_AP"] == pytest.approx(50)
+    # IoU of [20, 20, 100, 100] with [20, 20, 100, 58] is 0.58
+    partial = coco_evaluate(coco, [{**exact[0], "bbox": [20, 20, 100, 58]}])
+    assert partial["bbox_AP"] == pytest.approx(20)
+    assert partial["bbox_AP50"] == pytest.approx(100) and partial["bbox_AP75"] == pytest.approx(0)
+    assert coco_evaluate(coco, [])["bbox_AP"] == 0.0
+
+
+def test_detector_outputs_convert_to_coco_results_that_score_perfectly(tmp_path):
+    """Ground truth fed back as torchvision predictions (XYXY boxes, soft masks) gives box and
+    mask AP of 100: the conversion to COCO results loses nothing."""
+    root = ensure_shapes(tmp_path, num_train=2, num_val=6, size=96)
+    val = CocoInstances(root / "val", root / "annotations" / "instances_val.json", train=False)
+    results = []
+    for image, target in val:
+        prediction = {"boxes": target["boxes"].as_subclass(torch.Tensor), "labels": target["labels"],
+                      "scores": torch.linspace(1, 0.5, len(target["labels"])),
+                      "masks": target["masks"][:, None].float() * 0.9}
+        results += to_coco_results(target["image_id"], prediction)
+    annotations = json.loads(json.dumps(val.coco.dataset["annotations"]))
+    metrics = coco_evaluate(val.coco, results, ("bbox", "segm"))
+    assert metrics["bbox_AP"] == pytest.approx(100, abs=0.01)
+    assert metrics["segm_AP"] == pytest.approx(100, abs=0.01)
+    assert val.coco.dataset["annotations"] == annotations  # evaluation left the data alone
+    assert torch.equal(val[0][1]["masks"], CocoInstances(root / "val", root / "annotations" /
+                                                         "instances_val.json", train=False)[0][1]["masks"])
+
+
+def test_generated_shapes_are_reproducible_coco_with_exact_masks(tmp_path):
+    first = ensure_shapes(tmp_path / "a", num_train=12, num_val=3, size=64, seed=3)
+    second = ensure_shapes(tmp_path / "b", num_train=12, num_val=3, size=64, seed=3)
+    for split in ("train", "val"):
+        a = json.loads((first / "annotations" / f"instances_{split}.json").read_text())
+        b = json.loads((second / "annotations" / f"instances_{split}.json").read_text())
+        assert a == b
+        assert (first / split / "000001.png").read_bytes() == (second / split / "000001.png").read_bytes()
+    coco = COCO(str(first / "annotations" / "instances_train.json"))
+    assert sorted(coco.getCatIds()) == [1, 2, 3] and len(coco.getImgIds()) == 12
+    for ann in coco.loadAnns(coco.getAnnIds()):
+        mask = coco.annToMask(ann)
+        x, y, w, h = ann["bbox"]
+        assert ann["area"] == mask.sum() > 0
+        rows, cols = np.nonzero(mask)  # the mask lies within its box
+        assert x - 1 <= cols.min() and cols.max() <= x + w and y - 1 <= rows.min() and rows.max() <= y + h
+    stamp = (first / "annotations" / "instances_train.json").stat().st_mtime_ns
+    ensure_shapes(first, num_train=12, num_val=3, size=64, seed=3)  # already there: kept
+    assert (first / "annotations" / "instances_train.json").stat().st_mtime_ns == stamp
+
+
+def test_shapes_are_drawn_where_their_masks_say():
+    """The rendered pixels inside each mask are the shape's one flat colour."""
+    image, instances = render_image(np.random.default_rng(0), 96)
+    pixels = np.asarray(image).reshape(-1, 3)
+    for instance in instances:
+        rle = mask_utils.merge(mask_utils.frPyObjects(instance["segmentation"], 96, 96))
+        inside = mask_utils.decode(rle).reshape(-1).astype(bool)
+        colours, counts = np.unique(pixels[inside], axis=0, return_counts=True)
+        assert counts.max() / inside.sum() > 0.9
+
+
+def test_missing_coco_root_names_the_fix(tmp_path):
+    cfg = config("+exp=mask_rcnn_swin_t_un", f"data.root={tmp_path}/nowhere")
+    with pytest.raises(FileNotFoundError, match="UNNORM_COCO"):
+        build_datasets(cfg.data, masks=True)
+    with pytest.raises(ValueError, match="init_from"):  # full scale starts from ImageNet weights
+        train(config("+exp=mask_rcnn_swin_t_un", "logger=none"), tmp_path / "run")
+
+
+@pytest.mark.parametrize("model", ["faster_rcnn_swin_t", "mask_rcnn_swin_t"])
+@pytest.mark.parametrize("norm", unnorm.available_norms())
+def test_every_norm_trains_both_detectors(model, norm, tmp_path):
+    result = train(config(f"+exp={model}_{norm}", *QUICK, *_data(tmp_path)), tmp_path / "run")
+    assert result["status"] == "ok" and result["task"] == "detection" and result["steps"] == 2
+    assert result["model"] == model and result["exp_data"] == "shapes" and result["scale"] == "cpu"
+    assert ("segm_AP" in result["metrics"]) == (model == "mask_rcnn_swin_t")
+    assert 0 <= result["metrics"]["bbox_AP"] <= 100
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["metrics"] == pytest.approx(result["metrics"], nan_ok=True)
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    cfg = effective_config(config(f"+exp={model}_{norm}", "scale=cpu"))
+    detector = build_detector(cfg.model, cfg.norm, num_classes=4)
+    detector.load_state_dict(checkpoint["model"])
+    norms = [m for m in detector.modules() if isinstance(m, unnorm.ChannelNorm)]
+    assert len(norms) == 2 * 8 + 3 + 4 + 1  # 8 blocks x 2, 3 mergings, 4 outputs, patch embed
+    assert all(type(m) is type(unnorm.build_norm(norm, 8)) for m in norms)
+
+
+@pytest.mark.parametrize("norm", ["ln", "un"])
+def test_short_training_beats_an_untrained_detector(norm, tmp_path):
+    """192 steps on 192 generated images: box AP rises clearly above the untrained detector's
+    (which finds nothing: AP ~0). The 12-epoch CPU run reaches about 30 (README)."""
+    overrides = ["scale=cpu", "logger=none", "recipe.cpu.epochs=8", "recipe.cpu.decay_epochs=[7]",
+                 "recipe.cpu.lr=1e-3", "recipe.cpu.warmup_iters=20", *_data(tmp_path, train=192, val=48)]
+    cfg = effective_config(config(f"+exp=faster_rcnn_swin_t_{norm}", *overrides))
+    torch.manual_seed(0)
+    train_set, val_set = build_datasets(cfg.data, masks=False)
+    untrained = build_detector(cfg.model, cfg.norm, train_set.num_classes)
+    before = evaluate(untrained, val_set, 8, Distributed("cpu"), contextlib.nullcontext, ("bbox",))
+    result = train(config(f"+exp=faster_rcnn_swin_t_{norm}", *overrides), tmp_path / "run")
+    after = result["metrics"]
+    assert result["status"] == "ok" and before["bbox_AP"] < 0.5, before
+    assert after["bbox_AP"] > before["bbox_AP"] + 2 and after["bbox_AP50"] > before["bbox_AP50"] + 6, \
+        (before, after)
+
+
+def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
+    args = ["scripts/train.py", "+exp=mask_rcnn_swin_t_un", "scale=cpu", "logger=none",
+            "recipe.cpu.epochs=3", "recipe.cpu.eval_every=1", "scale.max_steps_per_epoch=4",
+            *_data(tmp_path, train=32, val=4)]
+    whole = tmp_path / "whole"
+    done = run_script(*args, f"hydra.run.dir={whole}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, *args, f"hydra.run.dir={killed}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "last.pt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(killed / "last.pt", weights_only=False)
+    assert not (killed / "result.json").exists(), "the run finished before it was killed"
+    resumed = run_script(*args, f"resume={killed}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming {killed} at epoch {saved['epoch'] + 1}, step {saved['step']}" in resumed.stdout
+    want = json.loads((whole / "result.json").read_text())
+    got = json.loads((killed / "result.json").read_text())
+    assert got["steps"] == want["steps"] == 12
+    for key in ("train_loss", "bbox_AP", "segm_AP"):
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_norm_statistics_are_recorded_per_step(tmp_path):
+    train(config("+exp=faster_rcnn_swin_t_un", *QUICK, *_data(tmp_path), "record_statistics=true",
+                 "collapse.check_every=1"), tmp_path / "run")
+    stats = torch.load(tmp_path / "run" / "stats" / "epoch_0001.pt")
+    assert "body.layers.0.blocks.0.norm1" in stats and "out_norms.3" in stats
+    assert all(next(iter(values.values())).shape[0] == 2 for values in stats.values())  # 2 steps
+
+
+def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):
+    result = train(config("+exp=faster_rcnn_swin_t_nonorm", *QUICK, *_data(tmp_path),
+                          "scale.max_steps_per_epoch=10", "recipe.cpu.lr=1e8",
+                          "recipe.cpu.warmup_iters=0", "collapse.check_every=1"), tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["status"] == "FAIL" and saved == result
+    assert isinstance(saved["fail_step"], int) and 1 <= saved["fail_step"] <= 10
+    assert saved["fail_reason"] and saved["task"] == "detection"
+
+
+def _warmed_detector(norm: str, masks: bool = True):
+    cfg = effective_config(config(f"+exp=mask_rcnn_swin_t_{norm}", "scale=cpu"))
+    cfg.model.masks = masks
+    if "warmup_iters" in cfg.norm:
+        cfg.norm.warmup_iters = 2
+    torch.manual_seed(0)
+    detector = build_detector(cfg.model, cfg.norm, num_classes=4)
+    optimizer = torch.optim.SGD(detector.parameters(), lr=0.01)
+    images = [torch.rand(3, 128, 128) for _ in range(2)]
+    targets = [{"boxes": torch.tensor([[10.0, 20.0, 60.0, 70.0]]), "labels": torch.tensor([2]),
+                "masks": torch.zeros(1, 128, 128, dtype=torch.uint8)} for _ in images]
+    for _ in range(6):  # past UN's warm-up, so its statistics are its own
+        loss = sum(detector(images, targets).values())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return detector.eval()
+
+
+@pytest.mark.parametrize("norm", ["un", "bn", "mabn", "pn"])
+def test_folded_detector_matches_the_original(norm):
+    """In float64, on inputs whose windows get padded: the backbone's FPN features and the
+    final detections are unchanged, and no norm is left."""
+    detector = _warmed_detector(norm).double()
+    images = torch.rand(2, 3, 96, 160, dtype=torch.float64)  # stage maps 24x40 ... 3x5
+    with torch.no_grad():
+        before = detector.backbone(images)
+        done = fold_detector(detector)
+        after = detector.backbone(images)
+    assert done == {"folded": 8 + 3 + 4, "affine": 8 + 1}
+    assert not any(isinstance(m, unnorm.ChannelNorm) for m in detector.modules())
+    for level in before:
+        error = (after[level] - before[level]).abs().max() / before[level].abs().max()
+        assert error < 1e-10, (level, error)
+
+
+def test_fold_plan_names_every_norm_and_refuses_online_norms():
+    plan = detector_fold_plan(_warmed_detector("un", masks=False))
+    assert plan["backbone.out_norms.0"] == ["backbone.fpn.inner_blocks.0.0"]
+    assert plan["backbone.body.layers.1.downsample.norm"] == ["backbone.body.layers.1.downsample.reduction"]
+    assert all(not linears for name, linears in plan.items() if name.endswith("norm1"))
+    with pytest.raises(ValueError, match="online norm"):
+        fold_detector(_warmed_detector("ln", masks=False))
+
+
+def test_fold_script_folds_a_detection_run(tmp_path):
+    train(config("+exp=mask_rcnn_swin_t_un", *QUICK, *_data(tmp_path)), tmp_path / "run")
+    folded = run_script("scripts/fold.py", str(tmp_path / "run"), "--check-batch", "2")
+    assert folded.returncode == 0, folded.stderr[-2000:]
+    assert "folded 15 norms into linear layers, 9 into frozen affines" in folded.stdout
+    error = float(folded.stdout.split("max relative output change ")[1].split(";")[0])
+    assert error < 1e-4
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from fold import load_folded
+    model = load_folded(tmp_path / "run" / "folded.pt")
+    assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
