@@ -121,6 +121,14 @@ class RunDirectory:
         return result
 
 
+def record_collapse(run: RunDirectory, collapse: TrainingCollapsed, metrics: dict, meta: dict) -> dict:
+    """Write (and announce) the FAIL result of a run that collapsed; returns it."""
+    if run.writer:
+        print(f"FAIL: {collapse}")
+    return run.write_result(status="FAIL", metrics=metrics, meta={**meta, "steps": collapse.step},
+                            fail=collapse)
+
+
 def save_atomic(obj: Any, path: Path) -> None:
     """``torch.save`` through a temporary file so a kill never leaves a torn checkpoint."""
     tmp = Path(path).with_suffix(".tmp")

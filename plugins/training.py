@@ -7,7 +7,7 @@ import os
 import random
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
-from plugins.runlog import RunDirectory
+from plugins.runlog import RunDirectory, save_atomic
 
 
 class Distributed:
@@ -90,6 +90,60 @@ def set_rng_state(states: list[dict], rank: int) -> None:
 def gather_rng(world: Distributed) -> list:
     """Every replica's RNG state, so a resumed run draws the same augmentations."""
     return world.gather(rng_state())
+
+
+class Checkpointer:
+    """What a run saves every epoch and resumes from: its stateful parts by name (model,
+    optimizer, scheduler, ...; None where a run has no such part), plus every replica's RNG
+    state and whatever the trainer adds (epoch, step, config)."""
+
+    def __init__(self, path: Path, world: Distributed, **parts):
+        self.path, self.world, self.parts = Path(path), world, parts
+
+    def resume(self) -> Optional[dict]:
+        """Load the saved state into the parts; returns it (None when there is none)."""
+        if not self.path.exists():
+            return None
+        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        for name, part in self.parts.items():
+            if part is not None:
+                part.load_state_dict(state[name])
+        set_rng_state(state["rng"], self.world.rank)
+        return state
+
+    def save(self, **extra) -> None:
+        """Every replica calls this (the RNG states are gathered); rank 0 writes."""
+        rng = gather_rng(self.world)
+        if self.world.main:
+            parts = {name: None if part is None else part.state_dict()
+                     for name, part in self.parts.items()}
+            save_atomic({**parts, "rng": rng, **extra}, self.path)
+
+
+def optimizer_step(loss: torch.Tensor, optimizer, scaler, clip_grad: Optional[float],
+                   parameters) -> None:
+    """Backward (scaled under fp16 autocast), optional gradient-norm clipping, and the step."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        if clip_grad:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        if clip_grad:
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        optimizer.step()
+
+
+def require_init(cfg) -> None:
+    """A recipe that starts from one of our ImageNet runs refuses to run without one (at the
+    paper's scale; CPU-scale runs start from scratch)."""
+    if cfg.recipe.get("requires_init") and not cfg.init_from and cfg.scale.name == "full":
+        raise ValueError(f"recipe {cfg.recipe.name} starts from an ImageNet run of ours: pass "
+                         "init_from=runs/<exp>/<time>/last.pt (or recipe.requires_init=false)")
 
 
 def load_weights(model: nn.Module, path: str, reset_steps: bool,

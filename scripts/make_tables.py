@@ -68,7 +68,7 @@ class Cell:
         if failed:
             steps = ", ".join(str(r["fail_step"]) for r in failed)
             parts.append(f"FAIL {len(failed)}/{len(self.runs)} (step {steps})")
-        return "; ".join(parts) + dagger
+        return "; ".join(parts) + dagger if parts else "—"  # e.g. no large objects: no APl
 
 
 def select(runs: list[dict], **where: Callable[[dict], bool]) -> Cell:
@@ -172,10 +172,14 @@ def efficiency_table(paper: dict, benchmarks: Path) -> Table:
             rows.append([f"ours {model} {mode} bs{ln.get('batch', bench['batch'])} ({bench['device']})",
                          f"{mem[0]:.0f}" if mem[0] else "—", f"{mem[1]:.0f}" if mem[1] else "—",
                          f"{1 - mem[1] / mem[0]:.1%}" if all(mem) else "—",
-                         f"{ln['images_per_s']:.1f}", f"{un['images_per_s']:.1f}",
+                         _rate(ln["images_per_s"]), _rate(un["images_per_s"]),
                          f"{un['images_per_s'] / ln['images_per_s'] - 1:.1%}"])
     return Table("Table 8: inference efficiency, LN vs folded UN (Swin-T; Mask R-CNN Swin-T)", header, rows,
                  ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole process."])
+
+
+def _rate(images_per_s: float) -> str:
+    return f"{images_per_s:.1f}" if images_per_s >= 10 else f"{images_per_s:.3f}"
 
 
 def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]:
@@ -193,7 +197,8 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
     for key, title in (("table3_faster_rcnn_swin_t_coco_3x", "Table 3: Faster R-CNN Swin-T 3x, COCO"),
                        ("table4_mask_rcnn_swin_t_coco_3x", "Table 4: Mask R-CNN Swin-T 3x, COCO")):
         flat = {method: _flatten(values) for method, values in paper[key].items()}
-        columns = {c: ("faster_rcnn" if "faster" in key else "mask_rcnn", "coco", _coco_metric(c))
+        model = "faster_rcnn_swin_t" if "faster" in key else "mask_rcnn_swin_t"
+        columns = {c: (model, "coco", _coco_metric(c))
                    for c in next(iter(flat.values()))}
         tables.append(method_table(title, flat, runs, columns, "detection"))
     tables += [

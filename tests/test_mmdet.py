@@ -8,7 +8,6 @@ import pytest
 import torch
 
 pytest.importorskip("mmdet.models", reason="mmdetection not installed: scripts/install_mmdet.sh")
-import timm  # noqa: E402
 from mmcv.cnn import build_norm_layer  # noqa: E402
 from mmengine.config import Config, ConfigDict  # noqa: E402
 from mmengine.optim import build_optim_wrapper  # noqa: E402

@@ -563,6 +563,21 @@ def test_folding_refuses_online_norms_and_training_mode():
         unnorm.build_norm("pn_ls", C).eval().inference_affine()
     with pytest.raises(RuntimeError, match="eval"):
         unnorm.fold_into_linear(unnorm.build_norm("un", C), [linear])
+    with pytest.raises(ValueError, match="1x1"):  # a 3x3 kernel mixes pixels the norm kept apart
+        unnorm.fold_into_linear(unnorm.build_norm("bn", C).eval(), [torch.nn.Conv2d(C, 4, 3)])
+
+
+def test_folding_into_a_1x1_convolution_is_exact_at_every_pixel():
+    norm = unnorm.build_norm("bn", C).double().eval()
+    norm.running_mean.normal_()
+    norm.running_var.uniform_(0.5, 2.0)
+    torch.nn.init.normal_(norm.weight)
+    conv = torch.nn.Conv2d(C, 5, 1, stride=2).double()
+    x = torch.randn(2, 6, 8, C, dtype=torch.float64)  # channels-last, as the norm reads it
+    before = conv(norm(x).permute(0, 3, 1, 2))
+    unnorm.fold_into_linear(norm, [conv])
+    # the inference affine is float32, so float32 rounding is the bar
+    torch.testing.assert_close(conv(x.permute(0, 3, 1, 2)), before, rtol=1e-5, atol=1e-6)
 
 
 # --- statistics taps ------------------------------------------------------------------------

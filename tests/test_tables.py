@@ -58,6 +58,24 @@ def test_cells_summarise_seeds_failures_and_cpu_scale(tmp_path):
     assert "81.0 $\\pm$ 1.0 (n=3)" in tex and "\\begin{tabular}" in tex
 
 
+def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
+    runs = tmp_path / "runs"
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco"}
+    write_run(runs, "mask_un", **detection, metrics={"bbox_AP": 45.0, "segm_AP": 40.5, "segm_AP50": 64.0})
+    write_run(runs, "faster_ln", **{**detection, "model": "faster_rcnn_swin_t"}, norm="ln",
+              status="FAIL", fail_step=77)
+    write_run(runs, "mask_un_m2", **detection, overrides=["norm.window_size=2"],
+              metrics={"bbox_AP": 42.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    header = table_row(markdown, "Table 4", "method")
+    un = dict(zip(header, table_row(markdown, "Table 4", "UN")))
+    assert un["box AP"] == "45.6 / 45.0 (n=1)" and un["mask AP"] == "41.4 / 40.5 (n=1)"
+    assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / —"  # not measured
+    assert table_row(markdown, "Table 3", "LN")[1] == "45.5 / FAIL 1/1 (step 77)"
+    window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP")
+    assert window[1:] == ["42.0 (n=1)", "—", "—", "—", "—"]
+
+
 def test_paper_numbers_are_copied_beside_ours(tmp_path):
     markdown = make_tables(tmp_path / "empty", tmp_path / "out")
     assert table_row(markdown, "Table 1", "NoNorm")[1:] == ["FAIL / —", "32.8 / —"]

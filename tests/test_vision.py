@@ -63,11 +63,12 @@ def test_cpu_scale_learns_the_digits(tmp_path):
     assert result["metrics"]["top1"] > 40
 
 
-def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
-    args = ["scripts/train.py", "+exp=t2t_vit_14_un", "scale=cpu", "logger=none",
-            "recipe.cpu.epochs=3", "scale.max_steps_per_epoch=8", "recipe.cpu.model_ema.decay=0.9"]
+def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
+    """Run ``scripts/train.py args`` whole; run it again, SIGKILL it as soon as its first
+    checkpoint is written, and resume it. Returns both runs' result.json."""
     whole = tmp_path / "whole"
-    assert run_script(*args, f"hydra.run.dir={whole}").returncode == 0
+    done = run_script(*args, f"hydra.run.dir={whole}")
+    assert done.returncode == 0, done.stderr[-2000:]
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, *args, f"hydra.run.dir={killed}"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -81,13 +82,19 @@ def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
     resumed = run_script(*args, f"resume={killed}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming {killed} at epoch {saved['epoch'] + 1}, step {saved['step']}" in resumed.stdout
-    want = json.loads((whole / "result.json").read_text())
-    got = json.loads((killed / "result.json").read_text())
+    epochs = [json.loads(line)["epoch"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == list(range(1, len(epochs) + 1))
+    return (json.loads((whole / "result.json").read_text()),
+            json.loads((killed / "result.json").read_text()))
+
+
+def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
+    want, got = kill_and_resume(["scripts/train.py", "+exp=t2t_vit_14_un", "scale=cpu", "logger=none",
+                                 "recipe.cpu.epochs=3", "scale.max_steps_per_epoch=8",
+                                 "recipe.cpu.model_ema.decay=0.9"], tmp_path)
     assert got["steps"] == want["steps"] == 24
     for key in ("top1", "top1_ema", "train_loss"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5), key
-    epochs = [json.loads(line)["epoch"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
-    assert epochs == [1, 2, 3]
 
 
 def test_two_process_ddp_with_synced_statistics(tmp_path):
@@ -136,9 +143,11 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path):
         train(config("+exp=swin_t_un", *QUICK, "+norm.window=3"), tmp_path / "a")
     with pytest.raises(FileNotFoundError, match="IMAGENET_ROOT"):
         train(config("+exp=swin_t_un", "logger=none", "data.root=/nonexistent"), tmp_path / "b")
+    with pytest.raises(ValueError, match="init_from"):  # fine-tuning needs the ImageNet run
+        train(config("+exp=t2t_vit_14_cifar10_un", "logger=none"), tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="cifar-10-batches-py"):
-        train(config("+exp=t2t_vit_14_cifar10_un", "logger=none", "data.root=/nonexistent"),
-              tmp_path / "c")
+        train(config("+exp=t2t_vit_14_cifar10_un", "logger=none", "data.root=/nonexistent",
+                     "init_from=/nonexistent/last.pt"), tmp_path / "c")
     proc = run_script("scripts/train.py", "+exp=swin_t_un", "scale=cpu", f"resume={tmp_path}")
     assert proc.returncode != 0 and "no last.pt" in proc.stderr
 

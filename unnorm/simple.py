@@ -1,8 +1,6 @@
 """The baselines that need no custom backward: LN, RMSNorm, BN and NoNorm."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 

@@ -23,7 +23,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from plugins.runlog import METRICS_FILE, CollapseDetector, RunDirectory, TrainingCollapsed
+from plugins.runlog import (METRICS_FILE, CollapseDetector, RunDirectory, TrainingCollapsed,
+                            record_collapse)
 from plugins.scale import effective_config
 
 from .data import prepare
@@ -218,9 +219,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     try:
         update = run_training(command, env, run, detector)
     except TrainingCollapsed as collapse:
-        print(f"FAIL: {collapse}")
-        return run.write_result(status="FAIL", metrics={"train_loss": detector.last_loss},
-                                meta={**meta, "steps": collapse.step}, fail=collapse)
+        return record_collapse(run, collapse, {"train_loss": detector.last_loss}, meta)
     last = _last_records(run)
     train_stats, valid_stats = last.get("train", {}), last.get("valid", {})
     steps = int(train_stats.get("train_num_updates", update))

@@ -20,9 +20,10 @@ from mmengine.registry import HOOKS
 from mmengine.runner import Runner
 from omegaconf import DictConfig, OmegaConf
 
-from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed
+from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
 from plugins.scale import effective_config
 from plugins.timm.models import norm_options
+from plugins.training import require_init
 
 from . import norm_cfg
 from .convert import timm_to_mmdet
@@ -80,26 +81,26 @@ def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
         backbone.update(embed_dims=kwargs["embed_dim"], depths=kwargs["depths"],
                         num_heads=kwargs["num_heads"], window_size=kwargs["window_size"])
         mm.model.neck.in_channels = [kwargs["embed_dim"] * 2 ** i for i in range(4)]
-    mm.model.neck.out_channels = model.fpn_channels
-    for part in ("rpn_head", "roi_head.bbox_roi_extractor", "roi_head.bbox_head"):
-        _get(mm.model, part).update({"in_channels": model.fpn_channels} if "extractor" not in part
-                                    else {"out_channels": model.fpn_channels})
-    mm.model.rpn_head.feat_channels = model.fpn_channels
-    mm.model.rpn_head.anchor_generator.scales = [model.anchor_sizes[0] // 4]  # base size / stride 4
-    mm.model.roi_head.bbox_head.fc_out_channels = model.box_head_dim
-    classes = [c["name"] for c in json.loads((Path(data.root) / data.val.annotations).read_text())["categories"]]
-    mm.model.roi_head.bbox_head.num_classes = len(classes)
+    width = model.fpn_channels
+    categories = json.loads((Path(data.root) / data.val.annotations).read_text())["categories"]
+    classes = [category["name"] for category in categories]
+    mm.model.neck.out_channels = width
+    mm.model.rpn_head.update(in_channels=width, feat_channels=width)
+    mm.model.rpn_head.anchor_generator.scales = [model.anchor_sizes[0] // 4]  # P2's stride is 4
+    heads = mm.model.roi_head
+    heads.bbox_roi_extractor.out_channels = width
+    heads.bbox_head.update(in_channels=width, fc_out_channels=model.box_head_dim,
+                           num_classes=len(classes))
     if model.masks:
-        mm.model.roi_head.mask_roi_extractor.out_channels = model.fpn_channels
-        mm.model.roi_head.mask_head.update(num_classes=len(classes), in_channels=model.fpn_channels,
-                                           conv_out_channels=model.mask_head_layers[-1],
-                                           num_convs=len(model.mask_head_layers))
+        heads.mask_roi_extractor.out_channels = width
+        heads.mask_head.update(num_classes=len(classes), in_channels=width,
+                               conv_out_channels=model.mask_head_layers[-1],
+                               num_convs=len(model.mask_head_layers))
     if cfg.scale.name != "full":  # plain multi-scale resizing at the model config's sizes
         scales = [(model.max_size, size) for size in model.min_size]
         pipeline = mm.train_dataloader.dataset.pipeline
         pipeline[3] = dict(type="RandomChoiceResize", scales=scales, keep_ratio=True)
         mm.val_dataloader.dataset.pipeline[1].scale = scales[-1]
-        mm.train_dataloader.dataset.filter_cfg.min_size = 0
     for split, loader in (("train", mm.train_dataloader), ("val", mm.val_dataloader)):
         paths = data[split]
         loader.dataset.update(data_root=str(data.root), ann_file=paths.annotations,
@@ -131,12 +132,6 @@ def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
     return mm
 
 
-def _get(node, dotted: str):
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and evaluate one detection run with mmdetection; returns ``result.json``'s content."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
@@ -147,9 +142,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     if cfg.record_statistics:
         raise ValueError("record_statistics=true is supported by model.backend=torchvision; "
                          "drop it for the mmdet backend")
-    if cfg.recipe.requires_init and not cfg.init_from and cfg.scale.name == "full":
-        raise ValueError(f"recipe {cfg.recipe.name} starts from an ImageNet backbone: pass "
-                         "init_from=<last.pt of the swin_t run with this norm>")
+    require_init(cfg)
     if cfg.data.get("generate"):
         from plugins.torchvision.shapes import ensure_shapes
         ensure_shapes(Path(cfg.data.root), **cfg.data.generate)
@@ -176,7 +169,5 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
         runner.train()
         result = run.write_result(status="ok", metrics=hook.last, meta={**meta, "steps": runner.iter})
     except TrainingCollapsed as collapse:
-        result = run.write_result(status="FAIL", metrics=hook.last,
-                                  meta={**meta, "steps": collapse.step}, fail=collapse)
-        print(f"FAIL: {collapse}")
+        result = record_collapse(run, collapse, hook.last, meta)
     return result

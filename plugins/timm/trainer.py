@@ -15,16 +15,16 @@ from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from timm.utils import ModelEmaV3, accuracy, dispatch_clip_grad
+from timm.utils import ModelEmaV3, accuracy
 from torch import nn
 from tqdm import tqdm
 
 import unnorm
 from plugins.logger import make_logger
-from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, save_atomic
+from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
 from plugins.scale import effective_config
-from plugins.training import (Distributed, amp_context, data_parallel, gather_rng, load_weights,
-                              save_statistics, seed_everything, set_rng_state)
+from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, load_weights,
+                              optimizer_step, require_init, save_statistics, seed_everything)
 
 from .data import build_datasets
 from .models import model_from_config, norm_options
@@ -78,6 +78,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     recipe, device = cfg.recipe, world.device
+    require_init(cfg)
     run = RunDirectory(out_dir, writer=world.main)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(cfg.seed + world.rank)
@@ -105,9 +106,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     init = "scratch"
     if cfg.init_from:
         init = load_weights(model, cfg.init_from, cfg.reset_norm_steps)
-    elif recipe.requires_init and cfg.scale.name == "full":
-        raise ValueError(f"recipe {recipe.name} fine-tunes: pass init_from=<checkpoint of the "
-                         "ImageNet run> (runs/<exp>/<time>/last.pt)")
     if world.main:
         print(f"{cfg.exp_name}: {cfg.model.timm_name} with {cfg.norm.name} on {cfg.data.name} "
               f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
@@ -132,19 +130,12 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     detector = CollapseDetector(**cfg.collapse)
     start_epoch, step = 0, 0
 
-    checkpoint_path = out_dir / CHECKPOINT
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        detector.load_state_dict(state["collapse"])
-        if ema is not None:
-            ema.module.load_state_dict(state["model_ema"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
+    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, model=model, optimizer=optimizer,
+                              scheduler=scheduler, collapse=detector, scaler=scaler,
+                              model_ema=ema.module if ema is not None else None)
+    state = checkpoint.resume()
+    if state is not None:
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
-        set_rng_state(state["rng"], world.rank)
         if world.main:
             print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
 
@@ -178,19 +169,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                     images, targets = mixup(images, targets)
                 with amp():
                     loss = criterion(net(images), targets)
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    if recipe.clip_grad:
-                        scaler.unscale_(optimizer)
-                        dispatch_clip_grad(model.parameters(), recipe.clip_grad)
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    if recipe.clip_grad:
-                        dispatch_clip_grad(model.parameters(), recipe.clip_grad)
-                    optimizer.step()
+                optimizer_step(loss, optimizer, scaler, recipe.clip_grad, model.parameters())
                 step += 1
                 scheduler.step_update(num_updates=step)
                 if ema is not None:
@@ -218,21 +197,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
             if world.main:
                 print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
                       f"top1 {metrics['top1']:.2f}" + (f" (ema {metrics['top1_ema']:.2f})" if ema else ""))
-                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "collapse": detector.state_dict(),
-                             "model_ema": ema.module.state_dict() if ema is not None else None,
-                             "scaler": scaler.state_dict() if scaler is not None else None,
-                             "epoch": epoch, "step": step, "init": init,
-                             "rng": gather_rng(world), "config": OmegaConf.to_container(cfg)},
-                            checkpoint_path)
-            elif world.world > 1:
-                gather_rng(world)
+            checkpoint.save(epoch=epoch, step=step, init=init, config=OmegaConf.to_container(cfg))
         result = run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": step})
     except TrainingCollapsed as collapse:
-        result = run.write_result(status="FAIL", metrics=metrics, meta={**meta, "steps": collapse.step},
-                                  fail=collapse)
-        if world.main:
-            print(f"FAIL: {collapse}")
+        result = record_collapse(run, collapse, metrics, meta)
     finally:
         if recorder is not None:
             recorder.close()

@@ -15,16 +15,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
-from timm.utils import dispatch_clip_grad
 from tqdm import tqdm
 
 import unnorm
 from plugins.logger import make_logger
-from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, save_atomic
+from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
 from plugins.scale import effective_config
 from plugins.timm.models import norm_options
-from plugins.training import (Distributed, amp_context, data_parallel, gather_rng, load_weights,
-                              save_statistics, seed_everything, set_rng_state)
+from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, load_weights,
+                              optimizer_step, require_init, save_statistics, seed_everything)
 
 from .coco import CocoInstances, coco_evaluate, collate, to_coco_results
 from .detectors import CLASSIFIER_ONLY, build_detector
@@ -48,7 +47,7 @@ def build_datasets(data_cfg, masks: bool) -> tuple[CocoInstances, CocoInstances]
 @torch.no_grad()
 def evaluate(model, dataset: CocoInstances, batch_size: int, world: Distributed, amp,
              iou_types: Sequence[str]) -> dict[str, float]:
-    """COCO AP of ``model`` on ``dataset`` (each replica predicts a shard; rank 0 scores)."""
+    """COCO AP of ``model`` on ``dataset`` (each replica predicts a shard of it)."""
     model.eval()
     shard = torch.utils.data.Subset(dataset, range(world.rank, len(dataset), world.world))
     loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, collate_fn=collate)
@@ -75,10 +74,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     recipe, device = cfg.recipe, world.device
-    if recipe.requires_init and not cfg.init_from and cfg.scale.name == "full":
-        raise ValueError(f"recipe {recipe.name} starts from an ImageNet backbone: pass "
-                         "init_from=<last.pt of the swin_t run with this norm> (or "
-                         "recipe.requires_init=false to train from scratch)")
+    require_init(cfg)
     run = RunDirectory(out_dir, writer=world.main)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(cfg.seed + world.rank)
@@ -121,17 +117,11 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     detector = CollapseDetector(**cfg.collapse)
     start_epoch, step = 0, 0
 
-    checkpoint_path = out_dir / CHECKPOINT
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        detector.load_state_dict(state["collapse"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
+    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, model=model, optimizer=optimizer,
+                              scheduler=scheduler, collapse=detector, scaler=scaler)
+    state = checkpoint.resume()
+    if state is not None:
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
-        set_rng_state(state["rng"], world.rank)
         if world.main:
             print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
 
@@ -168,19 +158,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                 with amp():
                     losses = net(images, targets)
                 loss = sum(losses.values())
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    if recipe.clip_grad:
-                        scaler.unscale_(optimizer)
-                        dispatch_clip_grad(model.parameters(), recipe.clip_grad)
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    if recipe.clip_grad:
-                        dispatch_clip_grad(model.parameters(), recipe.clip_grad)
-                    optimizer.step()
+                optimizer_step(loss, optimizer, scaler, recipe.clip_grad, model.parameters())
                 step += 1
                 scheduler.step_update(num_updates=step)
                 for name, value in losses.items():
@@ -207,20 +185,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
             if world.main:
                 scores = " ".join(f"{k} {metrics[k]:.2f}" for k in ("bbox_AP", "segm_AP") if k in metrics)
                 print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} {scores}")
-                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "collapse": detector.state_dict(),
-                             "scaler": scaler.state_dict() if scaler is not None else None,
-                             "epoch": epoch, "step": step, "init": init,
-                             "rng": gather_rng(world), "config": OmegaConf.to_container(cfg)},
-                            checkpoint_path)
-            elif world.world > 1:
-                gather_rng(world)
+            checkpoint.save(epoch=epoch, step=step, init=init, config=OmegaConf.to_container(cfg))
         result = run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": step})
     except TrainingCollapsed as collapse:
-        result = run.write_result(status="FAIL", metrics=metrics, meta={**meta, "steps": collapse.step},
-                                  fail=collapse)
-        if world.main:
-            print(f"FAIL: {collapse}")
+        result = record_collapse(run, collapse, metrics, meta)
     finally:
         if recorder is not None:
             recorder.close()
