@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
 from plugins.runlog import RunDirectory, save_atomic
+from plugins.scale import effective_config
 
 
 class Distributed:
@@ -109,6 +110,8 @@ class Checkpointer:
             if part is not None:
                 part.load_state_dict(state[name])
         set_rng_state(state["rng"], self.world.rank)
+        if self.world.main:
+            print(f"resuming {self.path.parent} at epoch {state['epoch'] + 1}, step {state['step']}")
         return state
 
     def save(self, **extra) -> None:
@@ -136,6 +139,33 @@ def optimizer_step(loss: torch.Tensor, optimizer, scaler, clip_grad: Optional[fl
         if clip_grad:
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
         optimizer.step()
+
+
+def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
+    """Apply the scale switch, join the process group, and run ``train_fn(cfg, out_dir,
+    world, meta)``; ``overrides`` (the command line's) are recorded so tables can tell sweeps
+    from defaults."""
+    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
+    cfg = effective_config(cfg)
+    world = Distributed(cfg.device)
+    try:
+        return train_fn(cfg, Path(out_dir), world, meta)
+    finally:
+        world.close()
+
+
+def epoch_plan(train_set, batch_size: int, max_steps: Optional[int], world: Distributed, seed: int):
+    """Per-replica batch, the DDP sampler (None on one process) and optimizer steps per epoch."""
+    if batch_size % world.world:
+        raise ValueError(f"batch_size {batch_size} is not divisible by {world.world} replicas")
+    sampler = (torch.utils.data.DistributedSampler(train_set, seed=seed, drop_last=True)
+               if world.world > 1 else None)
+    steps = len(train_set) // batch_size
+    if max_steps:
+        steps = min(steps, max_steps)
+    if steps < 1:
+        raise ValueError(f"batch_size {batch_size} exceeds the {len(train_set)} training samples")
+    return batch_size // world.world, sampler, steps
 
 
 def require_init(cfg) -> None:

@@ -22,9 +22,9 @@ from tqdm import tqdm
 import unnorm
 from plugins.logger import make_logger
 from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
-from plugins.scale import effective_config
-from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, load_weights,
-                              optimizer_step, require_init, save_statistics, seed_everything)
+from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, epoch_plan,
+                              load_weights, optimizer_step, require_init, run_task,
+                              save_statistics, seed_everything)
 
 from .data import build_datasets
 from .models import model_from_config, norm_options
@@ -67,13 +67,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 
     ``overrides`` (the command line's) are recorded so tables can tell sweeps from defaults.
     """
-    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg)
-    world = Distributed(cfg.device)
-    try:
-        return _train(cfg, Path(out_dir), world, meta)
-    finally:
-        world.close()
+    return run_task(_train, cfg, out_dir, overrides)
 
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
@@ -84,22 +78,14 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     seed_everything(cfg.seed + world.rank)
 
     train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
-    if recipe.batch_size % world.world:
-        raise ValueError(f"batch_size {recipe.batch_size} is not divisible by {world.world} replicas")
-    batch = recipe.batch_size // world.world
-    sampler = (torch.utils.data.DistributedSampler(train_set, seed=cfg.seed, drop_last=True)
-               if world.world > 1 else None)
+    batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
+                                                 cfg.scale.max_steps_per_epoch, world, cfg.seed)
     val_sampler = (torch.utils.data.DistributedSampler(val_set, shuffle=False)
                    if world.world > 1 else None)
     loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
                    "persistent_workers": cfg.scale.num_workers > 0}
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, sampler=val_sampler,
                                              **loader_args)
-    steps_per_epoch = len(train_set) // recipe.batch_size
-    if cfg.scale.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, cfg.scale.max_steps_per_epoch)
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch_size {recipe.batch_size} exceeds the {len(train_set)} training images")
 
     num_classes = cfg.data.num_classes
     model = model_from_config(cfg).to(device)
@@ -136,8 +122,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     state = checkpoint.resume()
     if state is not None:
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
-        if world.main:
-            print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
 
     net = data_parallel(model, device) if world.world > 1 else model
     meta = {**meta, "task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,

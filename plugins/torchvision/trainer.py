@@ -20,10 +20,10 @@ from tqdm import tqdm
 import unnorm
 from plugins.logger import make_logger
 from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
-from plugins.scale import effective_config
 from plugins.timm.models import norm_options
-from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, load_weights,
-                              optimizer_step, require_init, save_statistics, seed_everything)
+from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, epoch_plan,
+                              load_weights, optimizer_step, require_init, run_task,
+                              save_statistics, seed_everything)
 
 from .coco import CocoInstances, coco_evaluate, collate, to_coco_results
 from .detectors import CLASSIFIER_ONLY, build_detector
@@ -63,13 +63,7 @@ def evaluate(model, dataset: CocoInstances, batch_size: int, world: Distributed,
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and evaluate one detection run; returns the ``result.json`` content."""
-    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg)
-    world = Distributed(cfg.device)
-    try:
-        return _train(cfg, Path(out_dir), world, meta)
-    finally:
-        world.close()
+    return run_task(_train, cfg, out_dir, overrides)
 
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
@@ -81,16 +75,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     iou_types = ("bbox", "segm") if cfg.model.masks else ("bbox",)
 
     train_set, val_set = build_datasets(cfg.data, cfg.model.masks)
-    if recipe.batch_size % world.world:
-        raise ValueError(f"batch_size {recipe.batch_size} is not divisible by {world.world} replicas")
-    batch = recipe.batch_size // world.world
-    sampler = (torch.utils.data.DistributedSampler(train_set, seed=cfg.seed, drop_last=True)
-               if world.world > 1 else None)
-    steps_per_epoch = len(train_set) // recipe.batch_size
-    if cfg.scale.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, cfg.scale.max_steps_per_epoch)
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch_size {recipe.batch_size} exceeds the {len(train_set)} training images")
+    batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
+                                                 cfg.scale.max_steps_per_epoch, world, cfg.seed)
 
     model = build_detector(cfg.model, cfg.norm, train_set.num_classes).to(device)
     init = "scratch"
@@ -122,8 +108,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     state = checkpoint.resume()
     if state is not None:
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
-        if world.main:
-            print(f"resuming {out_dir} at epoch {start_epoch}, step {step}")
 
     net = data_parallel(model, device) if world.world > 1 else model
     meta = {**meta, "task": "detection", "exp": cfg.exp_name, "model": cfg.model.name,
