@@ -154,3 +154,73 @@ def group_scale(x, groups, eps=1e-5):
     grouped = x.to(D).reshape(n, groups, c // groups)
     moment2 = (grouped * grouped).mean(dim=-1, keepdim=True)
     return (grouped / torch.sqrt(moment2 + eps)).reshape(n, c)
+
+
+class RefMaskPN(RefPN):
+    """PN with a pad mask. Released (MaskPowerNorm): the forward statistic over the valid
+    rows; the backward's means, of g z and of the corrected gradient's z^2, over every row.
+    ``padded_in_backward=False``: padded rows add nothing to those means (their normaliser
+    stays every row, as the releases' hosts give padding zero gradient)."""
+
+    def __init__(self, *args, padded_in_backward=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.padded = padded_in_backward
+
+    def step(self, x, dy, valid):
+        x, dy = x.to(D), dy.to(D)
+        self.t += 1
+        t, eps = self.t, self.eps
+        s = (x[valid] * x[valid]).mean(dim=0)
+        z = x / torch.sqrt((s if t <= self.warmup else self.running_phi) + eps)
+        if t < self.warmup:
+            self.running_phi = self.running_phi * (t - 1) / t + s / t
+        self.running_phi = self.afwd * self.running_phi + (1 - self.afwd) * s
+        y = self.w * z + self.b
+        a = dy * self.w - (1 - self.abkw) * self.ema_gz * z
+        counted = torch.ones_like(valid) if self.padded else valid
+        self.ema_gz = self.ema_gz + (a * z * counted[:, None]).mean(dim=0)
+        return y, a / torch.sqrt(s + eps), (dy * z).sum(dim=0), dy.sum(dim=0)
+
+
+class RefPRepBN:
+    """SLAB's LinearNorm(LayerNorm, RepBN), written from its formulas with float64 autograd:
+    LN for ``warmup`` steps, then lam * LN + (1 - lam) * (BN + alpha x) with
+    lam = r0 * k / decay, k = decay, decay - 1, ..., 0; BN over the valid rows."""
+
+    def __init__(self, params: dict, warmup, decay, r0=1.0, momentum=0.9, eps=1e-5):
+        self.p = {k: v.detach().to(D).clone().requires_grad_(True) for k, v in params.items()}
+        C = self.p["weight"].numel()
+        self.warmup, self.decay, self.r0, self.m, self.eps = warmup, decay, r0, momentum, eps
+        self.running_mean, self.running_var = torch.zeros(C, dtype=D), torch.ones(C, dtype=D)
+        self.t = 0
+
+    def step(self, x, dy, valid=None):
+        """One training step on (N, C) rows: ``y, dx, {parameter: gradient}``."""
+        p, eps = self.p, self.eps
+        x = x.to(D).clone().requires_grad_(True)
+        valid = torch.ones(x.shape[0], dtype=torch.bool) if valid is None else valid
+        for value in p.values():
+            value.grad = None
+        self.t += 1
+        ln = torch.nn.functional.layer_norm(x, (x.shape[1],), p["weight"], p["bias"], eps)
+        if self.t <= self.warmup:
+            y = ln
+        else:
+            rows = x[valid]
+            mean, var = rows.mean(dim=0), rows.var(dim=0, unbiased=False)
+            rep = (x - mean) / torch.sqrt(var + eps) * p["bn_weight"] + p["bn_bias"] + p["alpha"] * x
+            k = max(self.decay - (self.t - self.warmup - 1), 0)
+            lam = self.r0 * k / self.decay
+            y = lam * ln + (1 - lam) * rep
+            n = rows.shape[0]
+            self.running_mean = self.m * self.running_mean + (1 - self.m) * mean.detach()
+            self.running_var = self.m * self.running_var + (1 - self.m) * var.detach() * n / (n - 1)
+        y.backward(dy.to(D))
+        grads = {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in p.items()}
+        return y.detach(), x.grad, grads
+
+    def eval(self, x):
+        p = self.p
+        x = x.to(D)
+        bn = (x - self.running_mean) / torch.sqrt(self.running_var + self.eps)
+        return (bn * p["bn_weight"] + p["bn_bias"] + p["alpha"] * x).detach()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import unnorm
-from spec_reference import RefMABN, RefPN, RefUN, group_scale
+from spec_reference import RefMABN, RefMaskPN, RefPN, RefUN, group_scale
 
 C = 6
 SHAPE = (3, 5, C)  # (B, N, C) tokens
@@ -164,7 +164,7 @@ def test_un_matches_spec_reference_over_60_steps(variant):
     run_against(norm, ref, xs, dys)
     assert all(m > 1e-3 for m in ref.margins), "an outlier decision sits on its threshold"
     assert int(norm.num_skipped) == ref.skipped
-    assert int(norm.num_iters) == norm.step == 60
+    assert int(norm.num_iters) == 60
     for name in ("running_var", "fwd_buffer", "bwd_buffer", "ema_grad"):
         assert_close64(getattr(norm, name), getattr(ref, name))
     if variant == "released":  # the sequence exercises every branch of the algorithm
@@ -195,10 +195,10 @@ def test_un_gradient_compensation_from_step_1000(compensation):
     ref = RefUN(norm.weight.detach(), norm.bias.detach(), warmup=20,
                 grad_compensation=compensation)
     _start_at(norm, ref, 990)
-    assert norm.step == 990
+    assert int(norm.num_iters) == 990
     xs, dys = make_sequence(30, seed=5, spikes={})
     run_against(norm, ref, xs, dys)
-    assert norm.step == 1020
+    assert int(norm.num_iters) == 1020
     # one more step with a shifted scale: r != 1 shows in dweight = sum(dy * r * z)
     x, dy = xs[-1] * 3, dys[-1]
     dweight = module_step(norm, x, dy)[2]
@@ -229,6 +229,27 @@ def test_pn_matches_spec_reference(warmup):
     ref = RefPN(norm.weight.detach(), norm.bias.detach(), warmup=warmup)
     xs, dys = make_sequence(50)
     run_against(norm, ref, xs, dys)
+    assert_close64(norm.running_phi, ref.running_phi)
+    assert_close64(norm.ema_grad, ref.ema_gz)
+
+
+@pytest.mark.parametrize("padded_in_backward", [True, False])
+@pytest.mark.parametrize("warmup", [5, 100])
+def test_pn_with_a_pad_mask_matches_maskpowernorm_or_exact_masking(warmup, padded_in_backward):
+    """Released: padded positions' z^2 (and g z) enter the gradient EMA; the option leaves
+    them out. Padded inputs are not zero, as inside a Transformer."""
+    norm = random_affine(unnorm.build_norm("pn", C, warmup_iters=warmup,
+                                           padded_in_backward=padded_in_backward))
+    ref = RefMaskPN(norm.weight.detach(), norm.bias.detach(), warmup=warmup,
+                    padded_in_backward=padded_in_backward)
+    pad = torch.zeros(SHAPE[:-1], dtype=torch.bool)
+    pad[0, 3:] = pad[2, 1:] = True
+    for x, dy in zip(*make_sequence(30)):
+        dy = dy.masked_fill(pad[..., None], 0.0)  # hosts give padding no gradient
+        got = module_step(norm, x, dy, pad_mask=pad)
+        want = ref.step(x.reshape(-1, C), dy.reshape(-1, C), ~pad.reshape(-1))
+        for a, b in zip(got, want):
+            assert_close64(a, b)
     assert_close64(norm.running_phi, ref.running_phi)
     assert_close64(norm.ema_grad, ref.ema_gz)
 
@@ -320,7 +341,7 @@ def test_skipped_slot_holds_the_previous_running_var():
     running_before = norm.running_var.clone()
     module_step(norm, x * 10, dy)
     assert int(norm.num_skipped) == 1
-    torch.testing.assert_close(norm.fwd_buffer[norm.step % 4], running_before)
+    torch.testing.assert_close(norm.fwd_buffer[int(norm.num_iters) % 4], running_before)
 
 
 def test_huge_outlier_threshold_never_skips():
@@ -349,6 +370,8 @@ def test_padding_changes_no_statistic_and_no_valid_output(name):
     options = {"warmup_iters": 3} if name in ("un", "mabn", "pn", "pn_ls") else {}
     if name == "un":
         options["outlier_filtration"] = True
+    if name in ("pn", "pn_ls"):  # exact masking; the release's padded backward is tested below
+        options["padded_in_backward"] = False
     xs, dys = make_sequence(10, spikes={})
     pad = torch.zeros(SHAPE[:-1], dtype=torch.bool)
     pad[0, 3:] = True
@@ -418,7 +441,7 @@ def test_released_checkpoint_names_load_and_reproduce_eval():
     state = unnorm.convert_released_state_dict({f"0.{k}": v for k, v in released.items()})
     model.load_state_dict(state)
     norm = model[0]
-    assert norm.step == 4321 and int(norm.num_skipped) == 7
+    assert int(norm.num_iters) == 4321 and int(norm.num_skipped) == 7
     torch.testing.assert_close(norm.ema_grad, released["ema_gz"])
     x = torch.randn(SHAPE, generator=gen)
     expected = released["weight"] * x / torch.sqrt(released["running_var"] + 1e-5) + released["bias"]
@@ -457,7 +480,7 @@ def test_training_step_reads_nothing_back_from_the_device(monkeypatch):
             y = norm(x.requires_grad_(True), pad)
             y.backward(dy)
     monkeypatch.undo()
-    assert norms[0].step == 8
+    assert int(norms[0].num_iters) == 8
 
 
 # --- registry and model surgery -------------------------------------------------------------
@@ -468,14 +491,22 @@ def test_build_norm_errors_name_the_valid_choices():
     with pytest.raises(ValueError, match="window_size"):
         unnorm.build_norm("un", C, window=4)
     assert isinstance(unnorm.build_norm("UN", C), unnorm.UnifiedNorm)
-    assert [n for n in unnorm.available_norms() if unnorm.is_offline(n)] == ["bn", "mabn", "pn", "un"]
+    assert [n for n in unnorm.available_norms() if unnorm.is_offline(n)] == ["bn", "mabn", "pn", "un",
+                                                                            "prepbn"]
 
 
 @pytest.mark.parametrize("name", unnorm.available_norms())
 def test_host_constructor_arguments(name):
-    """timm passes device/dtype and reads norm.weight.device; mmcv injects eps."""
-    norm = unnorm.norm_layer(name)(C, device="cpu", dtype=torch.float32, eps=1e-6)
-    assert norm.weight.device.type == "cpu" and norm.eps == 1e-6
+    """timm passes device/dtype and reads norm.weight.device; mmcv injects eps (refused by a
+    norm without one: the mmdet adapter drops it there)."""
+    if "eps" in unnorm.norm_options(name):
+        norm = unnorm.norm_layer(name)(C, device="cpu", dtype=torch.float32, eps=1e-6)
+        assert norm.eps == 1e-6
+    else:
+        with pytest.raises(ValueError, match="no option.*eps"):
+            unnorm.norm_layer(name)(C, eps=1e-6)
+        norm = unnorm.norm_layer(name)(C, device="cpu", dtype=torch.float32)
+    assert norm.weight.device.type == "cpu"
     assert norm.offline == unnorm.is_offline(name)
     with pytest.raises(ValueError, match="expects channels-last"):
         norm(torch.randn(2, C + 1))

@@ -3,13 +3,15 @@
     import unnorm
     norm = unnorm.build_norm("un", 384, window_size=4, outlier_filtration=True)
     unnorm.swap_norms(model, "un")            # every LayerNorm -> UN
-    unnorm.fold_into_linear(norm, [qkv])      # after model.eval(), for offline norms
+    unnorm.fold_into_linear(norm, [qkv])      # after model.eval(): offline norms, DyT's affine
 """
-from .base import ChannelNorm, OfflineNorm
+from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted
+from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
 from .fold import ChannelAffine, FoldedNorm, fold_into_linear, fold_norms, to_affine
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
+from .prepbn import ProgressiveRepBN
 from .registry import available_norms, build_norm, is_offline, norm_layer, norm_options
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
@@ -18,7 +20,8 @@ from .unified import RELEASED_UN_NAMES, UnifiedNorm, convert_released_state_dict
 
 
 def reset_steps(model) -> int:
-    """Restart every step counter in ``model`` (fine-tuning re-runs warm-up, as released)."""
+    """Restart the step counters of UN, MABN and PN in ``model``: fine-tuning re-runs their
+    warm-up, as released. PRepBN keeps its count (SLAB fine-tunes from the finished RepBN)."""
     counted = [m for m in model.modules() if isinstance(m, EstimatedNorm)]
     for module in counted:
         module.reset_step()
@@ -29,8 +32,8 @@ __all__ = [
     "available_norms", "build_norm", "is_offline", "norm_layer", "norm_options", "swap_norms",
     "fold_into_linear", "fold_norms", "to_affine", "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
-    "ChannelNorm", "OfflineNorm", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
+    "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
-    "UnifiedNorm",
+    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN",
 ]
 __version__ = "0.1.0"

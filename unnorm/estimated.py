@@ -6,46 +6,42 @@ the gradient statistic ``mean(g * z)``,
 
     dx = (g - z * psi) * inv_std_bwd,   dweight = sum(dy * r * z),   dbias = sum(dy).
 
-Each norm decides the per-step quantities in ``_plan_step`` (forward) and ``psi`` in
-``_gradient_estimate`` (backward); every data-dependent choice stays on the device.
+Each norm decides the per-step quantities and its new forward state in ``_plan_step`` and
+``psi`` and its new backward state in ``_gradient_estimate``. The step count and every choice
+that depends on it or on the data stay on the device (``torch.where``), so one compiled graph
+serves every step. Both states are committed together when the gradient arrives, if the
+step is clean (see ``GuardedNorm``); a rejected batch is normalised by the inference
+statistic.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from .base import StepCounted, channel_sum_sq, replicas_active, sum_over_replicas, zero_padding
+from .base import (StepCounted, builds_graph, channel_sum, channel_sum_sq, per_channel,
+                   replicas_active, statistic_ok, sum_over_replicas, upcast, zero_padding)
 
 
 @dataclass
 class StepPlan:
-    """What one training step of an estimated norm uses.
+    """What one training step of an estimated norm uses (all tensors on the device).
 
-    ``r`` is None for 1. ``skip`` is the device-side outlier flag (None: no test this step);
-    ``skip_always`` is the static case (a window of one).
+    ``step`` is this step's t (the counter plus one); ``r`` is None where the norm never
+    compensates; ``skip`` is the outlier flag (None where the norm never filters);
+    ``state`` holds the candidate forward state, committed with the backward's.
     """
 
-    step: int
+    step: torch.Tensor
     inv_std: torch.Tensor
     inv_std_bwd: torch.Tensor
     r: Optional[torch.Tensor] = None
     skip: Optional[torch.Tensor] = None
-    skip_always: bool = False
+    state: dict = field(default_factory=dict)
 
     def where_skipped(self, if_skipped: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
-        return where_skipped(self.skip, self.skip_always, if_skipped, otherwise)
-
-
-def where_skipped(skip: Optional[torch.Tensor], skip_always: bool, if_skipped: torch.Tensor,
-                  otherwise: torch.Tensor) -> torch.Tensor:
-    """Select on the outlier flag without reading it on the host."""
-    if skip_always:
-        return if_skipped
-    if skip is None:
-        return otherwise
-    return torch.where(skip, if_skipped, otherwise)
+        return otherwise if self.skip is None else torch.where(self.skip, if_skipped, otherwise)
 
 
 class EstimatedNorm(StepCounted):
@@ -53,6 +49,8 @@ class EstimatedNorm(StepCounted):
 
     r_in_forward = False  # MABN scales the forward output by r; UN applies r in backward only
     inference_stat = "running_var"  # the buffer eval mode divides by
+    grad_stat_over_valid = True  # padded rows stay out of the backward's means
+    tracks_corrected_gradient = False  # PN: the gradient EMA follows mean((g - z psi) z)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
                  warmup_iters: int = 0, sync_stats: bool = False, device=None, dtype=None):
@@ -60,35 +58,60 @@ class EstimatedNorm(StepCounted):
         self.sync_stats = bool(sync_stats)  # sum statistics over data-parallel replicas
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
-        if warmup_iters < 0:
-            raise ValueError(f"warmup_iters must be >= 0, got {warmup_iters}")
         self.momentum = float(momentum)
-        self.warmup_iters = int(warmup_iters)
+        self.warmup_iters = step_count("warmup_iters", warmup_iters)
 
     def inference_affine(self):
         return self._running_affine()
 
+    def _inference_inv_std(self) -> torch.Tensor:
+        return torch.rsqrt(getattr(self, self.inference_stat) + self.eps)
+
     def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
-        variance = getattr(self, self.inference_stat)
-        return self.weight.float() * torch.rsqrt(variance + self.eps), self.bias.float()
+        return upcast(self.weight) * self._inference_inv_std(), upcast(self.bias)
 
     def _normalize(self, rows, valid):
         if not self.training:
             scale, shift = self._running_affine()
-            return torch.addcmul(shift, rows.float(), scale)
-        self._advance()
-        return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid)
+            return torch.addcmul(shift, upcast(rows), scale)
+        if builds_graph(rows, self.weight, self.bias):
+            return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid)
+        out, plan, accepted, _ = _forward_step(self, rows, self.weight, self.bias, valid)
+        self._commit_step(plan.state, accepted)  # no backward will come
+        return out
 
-    def _plan_step(self, second_moment: torch.Tensor) -> StepPlan:
-        """Update the forward state with this step's s_t and say how to normalise."""
+    def _plan_step(self, second_moment: torch.Tensor, step: torch.Tensor) -> StepPlan:
+        """Say how to normalise at step ``step`` with this batch's s_t, and the new forward
+        state (``plan.state``)."""
         raise NotImplementedError
 
-    def _gradient_estimate(self, grad_stat: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """Update the backward state with this step's q_t and return psi."""
+    def _gradient_estimate(self, grad_stat: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, dict]:
+        """``(psi, new backward state)`` from this step's q_t."""
         raise NotImplementedError
 
-    def _observe_corrected_gradient(self, grad_stat, psi, second_moment, valid_fraction, plan):
-        """Hook for PN, whose gradient EMA follows the corrected gradient ``g - z * psi``."""
+    def _corrected_gradient_state(self, grad_stat, psi, mean_z_sq) -> dict:
+        """PN's new gradient EMA from ``mean((g - z psi) z) = q - psi mean(z^2)``."""
+        raise NotImplementedError
+
+
+def _forward_step(norm: EstimatedNorm, rows, weight, bias, valid):
+    """The training forward: ``(output, plan, accepted, sum of squares)``, committing nothing."""
+    total, count = channel_sum_sq(rows, valid, norm.sync_stats)
+    second_moment = total / count.clamp_min(1)
+    accepted = statistic_ok(total, count)
+    plan = norm._plan_step(second_moment, norm.num_iters + 1)
+    # a rejected batch is normalised by the inference statistic (its own may be 0 or NaN)
+    fallback = norm._inference_inv_std()
+    plan.inv_std = torch.where(accepted, plan.inv_std, fallback)
+    plan.inv_std_bwd = torch.where(accepted, plan.inv_std_bwd, fallback)
+    if norm._tap is not None:
+        norm._tap.record_act(second_moment)
+        norm._tap.record_skip(plan.where_skipped(torch.ones_like(accepted),
+                                                 torch.zeros_like(accepted)))
+    scale = upcast(weight) * plan.inv_std
+    if norm.r_in_forward and plan.r is not None:
+        scale = scale * plan.r
+    return torch.addcmul(upcast(bias), upcast(rows), per_channel(scale)), plan, accepted, total
 
 
 class _EstimatedNormFunction(torch.autograd.Function):
@@ -99,48 +122,68 @@ class _EstimatedNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, bias, norm: EstimatedNorm, valid):
-        total, count = channel_sum_sq(rows, valid, norm.sync_stats)
-        second_moment = total / count
-        plan = norm._plan_step(second_moment)
-        if norm._tap is not None:
-            norm._tap.record_act(second_moment)
-            norm._tap.record_skip(plan.where_skipped(
-                torch.ones((), dtype=torch.bool, device=rows.device),
-                torch.zeros((), dtype=torch.bool, device=rows.device)))
-        scale = weight.float() * plan.inv_std
-        if norm.r_in_forward and plan.r is not None:
-            scale = scale * plan.r
-        ctx.norm, ctx.plan = norm, plan
-        ctx.second_moment, ctx.valid_count = second_moment, count
-        ctx.save_for_backward(rows, valid, weight)
-        return torch.addcmul(bias.float(), rows.float(), scale)
+        out, plan, accepted, total = _forward_step(norm, rows, weight, bias, valid)
+        ctx.norm, ctx.plan, ctx.total = norm, plan, total
+        ctx.save_for_backward(rows, valid, weight, accepted)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        rows, valid, weight = ctx.saved_tensors
+        rows, valid, weight, accepted = ctx.saved_tensors
         norm, plan = ctx.norm, ctx.plan
-        x, dy = rows.float(), dy.float()
+        x, dy = upcast(rows), upcast(dy)
         inv_std = plan.inv_std
         r = torch.ones_like(inv_std) if plan.r is None else plan.r
         dy_x = dy * x
-        sum_dy_z = dy_x.sum(dim=0) * inv_std                       # sum(dy * z)
-        valid_dy_z = sum_dy_z if valid is None else zero_padding(dy_x, valid).sum(dim=0) * inv_std
-        positions = torch.full((1,), float(x.shape[0]), device=x.device)
-        if replicas_active(norm.sync_stats):
-            valid_dy_z, positions = sum_over_replicas(valid_dy_z, positions)
-        grad_stat = valid_dy_z * (weight.float() * r) / positions  # mean(g * z), g = dy w r
+        sum_dy_z = channel_sum(dy_x) * inv_std                      # sum(dy * z)
+        over_valid = valid is not None and norm.grad_stat_over_valid
+        stat_dy_z = channel_sum(zero_padding(dy_x, valid)) * inv_std if over_valid else sum_dy_z
+        positions = torch.ones(1, device=x.device).mul_(x.shape[0])
+        sum_sq = ctx.total  # of the valid rows (every replica's with sync_stats)
+        synced = replicas_active(norm.sync_stats)
+        if synced:
+            stat_dy_z, positions = sum_over_replicas(stat_dy_z, positions)
+        if norm.tracks_corrected_gradient and valid is not None and not over_valid:
+            sum_sq = channel_sum(x.square())  # padded rows' z^2 too, as MaskPowerNorm's backward
+            if synced:
+                (sum_sq,) = sum_over_replicas(sum_sq)
+        grad_stat = stat_dy_z * (upcast(weight) * r) / positions  # mean(g * z), g = dy w r
         if norm._tap is not None:
             norm._tap.record_grad(grad_stat)
-        psi = norm._gradient_estimate(grad_stat, plan)
-        norm._observe_corrected_gradient(grad_stat, psi, ctx.second_moment,
-                                         ctx.valid_count / positions, plan)
+        psi, state = norm._gradient_estimate(grad_stat, plan)
+        clean = accepted & torch.isfinite(grad_stat).all()
+        if norm.tracks_corrected_gradient:
+            mean_z_sq = sum_sq * inv_std.square() / positions
+            state = {**state, **norm._corrected_gradient_state(grad_stat, psi, mean_z_sq)}
+            clean = clean & torch.isfinite(mean_z_sq).all()
+        norm._commit_step({**plan.state, **state}, clean)
         # dx = (g - z * psi) * inv_std_bwd
-        dx = (dy * (weight.float() * r * plan.inv_std_bwd)
-              - x * (inv_std * psi * plan.inv_std_bwd))
+        dx = (dy * per_channel(upcast(weight) * r * plan.inv_std_bwd)
+              - x * per_channel(inv_std * psi * plan.inv_std_bwd))
         return (dx.to(rows.dtype), (sum_dy_z * r).to(weight.dtype),
-                dy.sum(dim=0).to(weight.dtype), None, None)
+                channel_sum(dy).to(weight.dtype), None, None)
 
 
 def compensation_factor(v: torch.Tensor, running_var: torch.Tensor, eps: float) -> torch.Tensor:
     """Renormalisation r = sqrt(v + eps) / sqrt(running_var + eps), clamped to [1/5, 5]."""
     return (torch.sqrt(v + eps) / torch.sqrt(running_var + eps)).clamp(1 / 5, 5)
+
+
+def step_count(name: str, value) -> int:
+    """A non-negative int option counted in training steps."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (training steps), got {value!r}")
+    return value
+
+
+def check_window_shapes(norm: EstimatedNorm, state_dict: dict, prefix: str,
+                        names: tuple[str, ...]) -> None:
+    """Refuse, naming ``window_size``, a state dict whose windows have another length."""
+    theirs = tuple(state_dict[prefix + n].shape[0] if prefix + n in state_dict else None
+                   for n in names)
+    ours = tuple(getattr(norm, n).shape[0] for n in names)
+    if any(t is not None and t != o for t, o in zip(theirs, ours)):
+        shown = theirs[0] if len(set(theirs)) == 1 else theirs
+        raise ValueError(f"{prefix or 'the norm'}: the state dict holds windows of {theirs} steps "
+                         f"({', '.join(names)}), this layer {ours}: build it with "
+                         f"window_size={shown} (Hydra: norm.window_size={shown}) to load it")

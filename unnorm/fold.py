@@ -1,9 +1,11 @@
-"""Inference-time folding of offline norms (paper Algorithm 1).
+"""Inference-time folding of offline norms (paper Algorithm 1), and of DyT's affine.
 
 An offline norm in eval mode is ``x * scale + shift`` per channel. Followed by
 ``Linear(W, b)`` it folds into ``W' = W * scale`` (column scaling) and ``b' = b + W @ shift``,
 exactly up to rounding, provided nothing between them breaks a per-channel affine. A 1x1
 convolution (e.g. an FPN lateral) is the same linear map at every pixel and folds alike.
+DyT ends in such an affine too (``weight * tanh(alpha x) + bias``): its affine folds the same
+way, leaving the elementwise ``tanh(alpha x)`` in its place.
 """
 from __future__ import annotations
 
@@ -38,10 +40,24 @@ class ChannelAffine(nn.Module):
 def _check_foldable(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     if not getattr(norm, "offline", False) or not hasattr(norm, "inference_affine"):
         raise ValueError(f"{type(norm).__name__} is an online norm (its inference depends on "
-                         "each input); only offline norms (bn, mabn, pn, un) can be folded")
+                         "each input); only offline norms (bn, mabn, pn, un, prepbn) become an "
+                         "affine, and only those and dyt fold into a linear layer")
+    _check_eval(norm)
+    return norm.inference_affine()
+
+
+def _check_eval(norm: nn.Module) -> None:
     if norm.training:
         raise RuntimeError("folding uses the inference statistics: call model.eval() first")
-    return norm.inference_affine()
+
+
+def _fold_parts(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """``(scale, shift, rest)``: the norm's inference is ``rest(x) * scale + shift``."""
+    if hasattr(norm, "fold_parts"):  # DyT: an affine after an elementwise function
+        _check_eval(norm)
+        return norm.fold_parts()
+    scale, shift = _check_foldable(norm)
+    return scale, shift, FoldedNorm()
 
 
 def _is_pointwise(layer: nn.Module, channels: int) -> bool:
@@ -53,13 +69,15 @@ def _is_pointwise(layer: nn.Module, channels: int) -> bool:
 
 
 @torch.no_grad()
-def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> FoldedNorm:
-    """Fold ``norm`` into every linear layer that consumes its output (e.g. q, k, v).
+def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> nn.Module:
+    """Fold ``norm``'s affine into every linear layer that consumes its output (e.g. q, k, v).
 
     Consumers are ``nn.Linear`` or 1x1 ``nn.Conv2d`` layers, changed in place; put the
-    returned module where the norm was.
+    returned module where the norm was (``FoldedNorm``, the identity, for offline norms;
+    ``tanh(alpha x)`` for DyT).
     """
-    scale, shift = (t.double() for t in _check_foldable(norm))
+    scale, shift, rest = _fold_parts(norm)
+    scale, shift = scale.double(), shift.double()
     if not linears:
         raise ValueError("no linear consumer given; use to_affine(norm) for such a norm")
     for linear in linears:
@@ -75,7 +93,7 @@ def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> FoldedNor
         else:
             linear.bias = nn.Parameter(bias.to(linear.weight.dtype))
         linear.weight.copy_((matrix * scale).reshape(weight.shape))
-    return FoldedNorm()
+    return rest
 
 
 @torch.no_grad()
@@ -89,10 +107,12 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
     """Fold each named norm of ``model`` into its named linear consumers, in place.
 
     ``consumers`` maps a norm's module name to the names of the linear layers reading its
-    output; an empty list turns the norm into a ``ChannelAffine``. A linear layer may be
-    folded into once only. Returns the number of norms replaced.
+    output; an empty list turns an offline norm into a ``ChannelAffine`` and leaves a DyT
+    as it is. A linear layer may be folded into once only. Returns the number of norms
+    replaced.
     """
     seen: set[str] = set()
+    replaced = 0
     for norm_name, linear_names in consumers.items():
         shared = seen.intersection(linear_names)
         if shared:
@@ -101,7 +121,10 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
         norm = model.get_submodule(norm_name)
         if linear_names:
             folded = fold_into_linear(norm, [model.get_submodule(n) for n in linear_names])
+        elif hasattr(norm, "fold_parts"):
+            continue  # no consumer to take DyT's affine: it stays whole
         else:
             folded = to_affine(norm)
         replace_module(model, norm_name, folded)
-    return len(consumers)
+        replaced += 1
+    return replaced

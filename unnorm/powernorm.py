@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .base import upcast
 from .estimated import EstimatedNorm, StepPlan
 
 
@@ -19,18 +20,30 @@ class PowerNorm(EstimatedNorm):
         momentum_bwd: alpha_bkw of the gradient EMA.
         layer_scale: apply the release's GroupScaling first (``pn_ls``; online).
         group_num: groups of the layer-scale (the number of attention heads).
+        padded_in_backward: with a pad mask, the forward statistic covers the valid
+            positions only, while the backward's means (of ``g z`` and ``z^2``, which feed
+            the gradient EMA) run over every position, padded ones included: what
+            MaskPowerNorm does, and what the paper's PN rows were trained with. False
+            leaves padded positions out of the backward too (exact masking).
     """
+
+    inference_stat = "running_phi"
+    tracks_corrected_gradient = True
 
     def __init__(self, num_features: int, warmup_iters: int = 10000, momentum: float = 0.9,
                  momentum_bwd: float = 0.9, eps: float = 1e-5, layer_scale: bool = False,
-                 group_num: int = 1, sync_stats: bool = False, device=None, dtype=None):
+                 group_num: int = 1, padded_in_backward: bool = True, sync_stats: bool = False,
+                 device=None, dtype=None):
         super().__init__(num_features, eps=eps, momentum=momentum, warmup_iters=warmup_iters,
                          sync_stats=sync_stats, device=device, dtype=dtype)
         if layer_scale and (group_num < 1 or num_features % group_num):
             raise ValueError(f"group_num must divide num_features ({num_features}), got {group_num}")
+        if not 0.0 <= momentum_bwd < 1.0:
+            raise ValueError(f"momentum_bwd (alpha_bkw) must be in [0, 1), got {momentum_bwd}")
         self.momentum_bwd = float(momentum_bwd)
         self.layer_scale = bool(layer_scale)
         self.group_num = int(group_num)
+        self.grad_stat_over_valid = not padded_in_backward
         self.offline = not self.layer_scale
         self.register_buffer("running_phi", torch.ones(num_features, device=device))
         self.register_buffer("ema_grad", torch.zeros(num_features, device=device))
@@ -38,9 +51,9 @@ class PowerNorm(EstimatedNorm):
     def extra_repr(self) -> str:
         text = (f"{super().extra_repr()}, warmup={self.warmup_iters}, "
                 f"momentum=({self.momentum}, {self.momentum_bwd})")
+        if self.grad_stat_over_valid:
+            text += ", padded_in_backward=False"
         return text + (f", layer_scale=groups:{self.group_num}" if self.layer_scale else "")
-
-    inference_stat = "running_phi"
 
     def inference_affine(self):
         if self.layer_scale:
@@ -55,24 +68,23 @@ class PowerNorm(EstimatedNorm):
 
     def _group_scale(self, rows: torch.Tensor) -> torch.Tensor:
         """Divide each channel group of each position by its root mean square."""
-        grouped = rows.float().reshape(rows.shape[0], self.group_num, -1)
+        grouped = upcast(rows).reshape(rows.shape[0], self.group_num, self.num_features // self.group_num)
         scaled = grouped * torch.rsqrt(grouped.square().mean(dim=-1, keepdim=True) + self.eps)
         return scaled.reshape(rows.shape)
 
-    def _plan_step(self, s):
-        t, eps, alpha, phi = self.step, self.eps, self.momentum, self.running_phi
+    def _plan_step(self, s, t):
+        eps, alpha, phi = self.eps, self.momentum, self.running_phi
         inv_batch = torch.rsqrt(s + eps)
-        inv_std = inv_batch if t <= self.warmup_iters else torch.rsqrt(phi + eps)
-        if t < self.warmup_iters:  # the release first takes a cumulative average
-            phi.mul_((t - 1) / t).add_(s, alpha=1 / t)
-        phi.mul_(alpha).add_(s, alpha=1 - alpha)
+        inv_std = torch.where(t <= self.warmup_iters, inv_batch, torch.rsqrt(phi + eps))
+        steps = t.float()  # the release first takes a cumulative average during warm-up
+        averaged = torch.where(t < self.warmup_iters, phi * (steps - 1) / steps + s / steps, phi)
         # the release divides the gradient by the batch statistic even after warm-up
-        return StepPlan(step=t, inv_std=inv_std, inv_std_bwd=inv_batch)
+        return StepPlan(step=t, inv_std=inv_std, inv_std_bwd=inv_batch,
+                        state={"running_phi": alpha * averaged + (1 - alpha) * s})
 
     def _gradient_estimate(self, q, plan):
-        return (1 - self.momentum_bwd) * self.ema_grad
+        return (1 - self.momentum_bwd) * self.ema_grad, {}
 
-    def _observe_corrected_gradient(self, grad_stat, psi, second_moment, valid_fraction, plan):
-        # ema += mean((g - z psi) z) = q - psi * mean(z^2), means over all rows, pads zero
-        mean_z_sq = plan.inv_std.square() * second_moment * valid_fraction
-        self.ema_grad.add_(grad_stat - psi * mean_z_sq)
+    def _corrected_gradient_state(self, grad_stat, psi, mean_z_sq):
+        # ema += mean((g - z psi) z) = q - psi * mean(z^2)
+        return {"ema_grad": self.ema_grad + grad_stat - psi * mean_z_sq}

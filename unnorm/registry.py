@@ -8,8 +8,10 @@ from typing import Callable
 
 from torch import nn
 
+from .dyt import DynamicTanh
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
+from .prepbn import ProgressiveRepBN
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .unified import UnifiedNorm
 
@@ -31,6 +33,8 @@ _NORMS: dict[str, NormSpec] = {
     "pn_ls": NormSpec(PowerNorm, False, {"layer_scale": True}, "PowerNorm with layer-scale"),
     "nonorm": NormSpec(NoNorm, False, {}, "identity"),
     "un": NormSpec(UnifiedNorm, True, {}, "Unified Normalization"),
+    "dyt": NormSpec(DynamicTanh, False, {}, "Dynamic Tanh, no statistics (affine foldable)"),
+    "prepbn": NormSpec(ProgressiveRepBN, True, {}, "LayerNorm handing over to RepBN (SLAB)"),
 }
 
 # Arguments hosts pass to every norm; accepted whether or not the norm uses them.

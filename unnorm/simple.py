@@ -1,11 +1,13 @@
 """The baselines that need no custom backward: LN, RMSNorm, BN and NoNorm."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from .base import (ChannelNorm, OfflineNorm, channel_mean_sq, replicas_active,
-                   sum_over_replicas, zero_padding)
+from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, commit_on_backward, replicas_active,
+                   row_count, statistic_ok, sum_over_replicas, upcast, zero_padding)
 
 
 class LayerNorm(ChannelNorm):
@@ -13,10 +15,10 @@ class LayerNorm(ChannelNorm):
 
     def _normalize(self, rows, valid):
         if not self._recording:
-            return F.layer_norm(rows.float(), (self.num_features,), self.weight.float(),
-                                self.bias.float(), self.eps)
+            return F.layer_norm(upcast(rows), (self.num_features,), upcast(self.weight),
+                                upcast(self.bias), self.eps)
         self._tap.record_act(channel_mean_sq(rows, valid))
-        return self._affine(F.layer_norm(rows.float(), (self.num_features,), eps=self.eps), valid)
+        return self._affine(F.layer_norm(upcast(rows), (self.num_features,), eps=self.eps), valid)
 
 
 class RMSNorm(ChannelNorm):
@@ -28,7 +30,7 @@ class RMSNorm(ChannelNorm):
     def _normalize(self, rows, valid):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
-        rows = rows.float()
+        rows = upcast(rows)
         return self._affine(rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + self.eps),
                             valid)
 
@@ -47,19 +49,22 @@ class NoNorm(ChannelNorm):
         if not self._recording:
             return rows
         self._tap.record_act(channel_mean_sq(rows, valid))
-        return self._watch_grad(rows.float().view_as(rows), valid)  # a new node, not the caller's
+        return self._watch_grad(upcast(rows).view_as(rows), valid)  # a new node, not the caller's
 
 
-class BatchNorm(OfflineNorm):
+class BatchNorm(GuardedNorm):
     """BatchNorm over every valid position (batch x tokens) of channels-last input.
 
     ``momentum`` is the paper's alpha: ``running = alpha * running + (1 - alpha) * batch``
     (torch's BatchNorm momentum is ``1 - alpha``). Running variance is unbiased, as in torch.
+    A rejected batch (see ``GuardedNorm``) leaves the running statistics as they were.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
                  sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
         self.momentum = float(momentum)
         self.sync_stats = bool(sync_stats)  # statistics over all data-parallel replicas
         self.register_buffer("running_mean", torch.zeros(num_features, device=device))
@@ -69,50 +74,50 @@ class BatchNorm(OfflineNorm):
         return f"{super().extra_repr()}, momentum={self.momentum}"
 
     def _normalize(self, rows, valid):
-        rows = rows.float()
+        rows = upcast(rows)
         if not self.training:
             scale, shift = self.inference_affine()
             return torch.addcmul(shift, rows, scale)
-        sync = replicas_active(self.sync_stats)
-        if valid is None and not sync:
-            return self._batch_norm(rows)
-        counted = rows if valid is None else zero_padding(rows, valid)
-        count = torch.full((1,), float(rows.shape[0]), device=rows.device) if valid is None \
-            else valid.to(rows.dtype).sum().reshape(1)
-        total = counted.sum(dim=0)
-        if sync:  # differentiable: every replica's rows receive the statistics' gradient
-            total, count = sum_over_replicas(total, count, differentiable=True)
-        count = count.clamp_min(1)
-        mean = total / count
-        var = (counted - mean).square()
-        var = (var if valid is None else zero_padding(var, valid)).sum(dim=0)
-        if sync:
-            (var,) = sum_over_replicas(var, differentiable=True)
-        var = var / count
-        with torch.no_grad():
-            alpha = self.momentum
-            self.running_mean.mul_(alpha).add_(mean, alpha=1 - alpha)
-            self.running_var.mul_(alpha).add_(var * count / (count - 1).clamp_min(1),
-                                              alpha=1 - alpha)
+        z, mean, var, count = batch_standardize(rows, valid, self.eps,
+                                                replicas_active(self.sync_stats))
+        alpha = self.momentum
+        unbiased = var * count / (count - 1).clamp_min(1)
+        state = {"running_mean": alpha * self.running_mean + (1 - alpha) * mean,
+                 "running_var": alpha * self.running_var + (1 - alpha) * unbiased}
         if self._recording:
-            self._tap.record_act(var.detach())
-        inv_std = torch.rsqrt(var + self.eps)
-        z = (counted - mean) * inv_std
-        if valid is not None:  # padded rows are normalised, but add no gradient to statistics
-            z = torch.where(valid[:, None], z, (rows - mean.detach()) * inv_std.detach())
-        return self._affine(z, valid)
-
-    def _batch_norm(self, rows):
-        """Unpadded input: torch's fused kernel (same statistics and running update)."""
-        tapped = self._recording
-        if tapped:
-            self._tap.record_act(rows.detach().var(dim=0, unbiased=False))
-        out = F.batch_norm(rows, self.running_mean, self.running_var,
-                           None if tapped else self.weight.float(),
-                           None if tapped else self.bias.float(), training=True,
-                           momentum=1 - self.momentum, eps=self.eps)
-        return self._affine(out, None) if tapped else out
+            self._tap.record_act(var)
+        return commit_on_backward(self._affine(z, valid), self, valid, state,
+                                  statistic_ok(var, count))
 
     def inference_affine(self):
-        scale = self.weight.float() * torch.rsqrt(self.running_var + self.eps)
-        return scale, self.bias.float() - scale * self.running_mean
+        scale = upcast(self.weight) * torch.rsqrt(self.running_var + self.eps)
+        return scale, upcast(self.bias) - scale * self.running_mean
+
+
+def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
+                      sync: bool = False):
+    """``(z, mean, var, count)``: rows standardised by the mean and biased variance of their
+    valid rows (over every replica with ``sync``), differentiably.
+
+    Without padding or replicas this is torch's fused batch-norm kernel. Padded rows are
+    standardised too, but add no gradient to the statistics.
+    """
+    count = row_count(rows, valid)
+    if valid is None and not sync:
+        z, mean, inv_std = torch.native_batch_norm(rows, None, None, None, None, True, 0.0, eps)
+        return z, mean.detach(), (inv_std.detach().square().reciprocal() - eps), count
+    counted = rows if valid is None else zero_padding(rows, valid)
+    total = counted.sum(dim=0)
+    if sync:  # differentiable: every replica's rows receive the statistics' gradient
+        total, count = sum_over_replicas(total, count, differentiable=True)
+    mean = total / count.clamp_min(1)
+    var = (counted - mean).square()
+    var = (var if valid is None else zero_padding(var, valid)).sum(dim=0)
+    if sync:
+        (var,) = sum_over_replicas(var, differentiable=True)
+    var = var / count.clamp_min(1)
+    inv_std = torch.rsqrt(var + eps)
+    z = (counted - mean) * inv_std
+    if valid is not None:  # padded rows are standardised, but add no gradient to statistics
+        z = torch.where(valid[:, None], z, (rows - mean.detach()) * inv_std.detach())
+    return z, mean.detach(), var.detach(), count

@@ -2,8 +2,9 @@
 
 While recording, each norm appends, per training step, its activation statistic (the
 per-channel second moment it computed: s_t for UN/MABN/PN, the batch variance for BN, mean
-x^2 for per-position norms), its gradient statistic (per-channel mean of g * z) and, for UN,
-MABN and PN, the outlier-skip flag. They stay on the device until ``flush()`` hands them
+x^2 for per-position norms), its gradient statistic (per-channel mean of g * z), for UN,
+MABN and PN the outlier-skip flag, and for norms with running state whether the step's
+batch was rejected (no valid row or a non-finite statistic: the state was left as it was). They stay on the device until ``flush()`` hands them
 over as CPU tensors, so recording adds no host synchronisation between flushes.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class LayerTap:
         self.act: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
         self.skip: list[torch.Tensor] = []
+        self.rejected: list[torch.Tensor] = []
 
     def record_act(self, value: torch.Tensor) -> None:
         self.act.append(value.detach().float().clone())
@@ -33,20 +35,24 @@ class LayerTap:
     def record_skip(self, value: torch.Tensor) -> None:
         self.skip.append(value.detach().clone())
 
+    def record_rejected(self, value: torch.Tensor) -> None:
+        self.rejected.append(value.detach().clone())
+
     def take(self) -> dict[str, torch.Tensor]:
         chunk = {key: torch.stack(values).cpu()
-                 for key, values in (("act", self.act), ("grad", self.grad), ("skip", self.skip))
+                 for key, values in (("act", self.act), ("grad", self.grad), ("skip", self.skip),
+                                     ("rejected", self.rejected))
                  if values}
-        self.act, self.grad, self.skip = [], [], []
+        self.act, self.grad, self.skip, self.rejected = [], [], [], []
         return chunk
 
 
 class StatisticsRecorder:
     """Taps every norm of a model; use as a context manager or call ``close()``.
 
-    ``flush()`` returns ``{layer_name: {"act": (T, C), "grad": (T, C), "skip": (T,)}}`` for
-    the steps since the last flush (T may differ between act and grad if a backward is
-    pending).
+    ``flush()`` returns ``{layer_name: {"act": (T, C), "grad": (T, C), "skip": (T,),
+    "rejected": (T,)}}`` for the steps since the last flush (T may differ between act and
+    grad if a backward is pending).
     """
 
     def __init__(self, model: nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .registry import build_norm
+from .registry import build_norm, norm_layer
 
 _LIKE_FOR_LIKE = ("ln", "rms")  # per-position norms keep the host's eps
 
@@ -23,6 +23,7 @@ def swap_norms(model: nn.Module, name: str, **options) -> int:
     LayerNorm for ``ln``/``rms``, else the new norm's own default (as the releases did).
     Returns the number of replaced layers.
     """
+    norm_layer(name, **options)  # an unknown name or option fails here, LayerNorms or not
     if isinstance(model, nn.LayerNorm):
         raise ValueError("swap_norms replaces LayerNorms inside a model; build_norm makes one")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]

@@ -8,8 +8,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .base import window_slot
-from .estimated import EstimatedNorm, StepPlan, compensation_factor, where_skipped
+from .base import with_slot
+from .estimated import (EstimatedNorm, StepPlan, check_window_shapes, compensation_factor,
+                        step_count)
 
 
 class UnifiedNorm(EstimatedNorm):
@@ -28,6 +29,8 @@ class UnifiedNorm(EstimatedNorm):
             the release's one scalar over the whole window.
         fwd_gm / bwd_am / bwd_ema: the ablation switches of Tables 5 and 9.
         grad_compensation: the release's renormalisation factor r in backward.
+        compensation_start: r stays 1 until step ``max(compensation_start, warmup_iters)``;
+            the release fixes it at 1000 (shorter schedules scale it, see configs/scale).
     """
 
     def __init__(self, num_features: int, window_size: Union[int, Sequence[int]] = 4,
@@ -35,7 +38,8 @@ class UnifiedNorm(EstimatedNorm):
                  outlier_filtration: bool = False, outlier_threshold: Optional[float] = None,
                  outlier_var_per_channel: bool = False, fwd_gm: bool = True,
                  bwd_am: bool = True, bwd_ema: bool = True, grad_compensation: bool = True,
-                 sync_stats: bool = False, device=None, dtype=None):
+                 compensation_start: int = 1000, sync_stats: bool = False, device=None,
+                 dtype=None):
         super().__init__(num_features, eps=eps, momentum=momentum, warmup_iters=warmup_iters,
                          sync_stats=sync_stats, device=device, dtype=dtype)
         fwd_size, bwd_size = _window_pair(window_size)
@@ -44,6 +48,7 @@ class UnifiedNorm(EstimatedNorm):
         self.outlier_var_per_channel = bool(outlier_var_per_channel)
         self.fwd_gm, self.bwd_am, self.bwd_ema = bool(fwd_gm), bool(bwd_am), bool(bwd_ema)
         self.grad_compensation = bool(grad_compensation)
+        self.compensation_start = step_count("compensation_start", compensation_start)
         self.register_buffer("running_var", torch.ones(num_features, device=device))
         self.register_buffer("fwd_buffer", torch.zeros(fwd_size, num_features, device=device))
         self.register_buffer("bwd_buffer", torch.zeros(bwd_size, num_features, device=device))
@@ -55,48 +60,49 @@ class UnifiedNorm(EstimatedNorm):
                 f"{self.bwd_buffer.shape[0]}), warmup={self.warmup_iters}, "
                 f"momentum={self.momentum}, outlier_filtration={self.outlier_filtration}")
 
-    def _plan_step(self, s):
-        t, window, eps = self.step, self.fwd_buffer, self.eps
+    def _plan_step(self, s, t):
+        window, eps = self.fwd_buffer, self.eps
         size = window.shape[0]
-        skip_always = size == 1  # the release treats a one-slot window as always skipped
-        filtering = self.outlier_filtration and t >= self.warmup_iters and not skip_always
-        if filtering:
+        one_slot = size == 1  # the release treats a one-slot window as always skipped
+        after_warmup = t >= self.warmup_iters
+        written = with_slot(window, t, s)
+        geometric = written.log().mean(dim=0).exp()
+        plan = StepPlan(step=t, inv_std=s, inv_std_bwd=s)
+        if one_slot:
+            plan.skip = torch.ones_like(after_warmup)
+        elif self.outlier_filtration:
             roots = window.sqrt()  # the bound uses the window BEFORE s_t is written
             prev_var = roots.var(dim=0) if self.outlier_var_per_channel else roots.var()
-        slot = window_slot(t, size)
-        window[slot] = s
-        geometric = skip = None
-        if filtering:
-            geometric = window.log().mean(dim=0).exp()
-            skip = ((window.mean(dim=0) - geometric) > self.outlier_threshold * prev_var).any()
-            window[slot] = torch.where(skip, self.running_var, s)
-            self.num_skipped.add_(skip.long())
+            gap = written.mean(dim=0) - geometric
+            plan.skip = after_warmup & (gap > self.outlier_threshold * prev_var).any()
+            written = with_slot(window, t, torch.where(plan.skip, self.running_var, s))
+            plan.state["num_skipped"] = self.num_skipped + plan.skip.long()
         v = s
-        if self.fwd_gm and t > size and t >= self.warmup_iters and not skip_always:
-            if geometric is None:
-                geometric = window.log().mean(dim=0).exp()
-            v = where_skipped(skip, skip_always, s, geometric)
-        r = None
-        if self.grad_compensation and not skip_always and t > max(1000, self.warmup_iters):
-            r = where_skipped(skip, skip_always, torch.ones_like(v),
-                              compensation_factor(v, self.running_var, eps))
-        inv_std = torch.rsqrt(v + eps)
-        self.running_var.mul_(self.momentum).add_(v, alpha=1 - self.momentum)
-        return StepPlan(step=t, inv_std=inv_std, inv_std_bwd=inv_std, r=r, skip=skip,
-                        skip_always=skip_always)
+        if self.fwd_gm and not one_slot:
+            v = plan.where_skipped(s, torch.where((t > size) & after_warmup, geometric, s))
+        if self.grad_compensation and not one_slot:
+            compensating = t > max(self.compensation_start, self.warmup_iters)
+            factor = compensation_factor(v, self.running_var, eps)
+            plan.r = plan.where_skipped(torch.ones_like(v),
+                                        torch.where(compensating, factor, torch.ones_like(v)))
+        plan.inv_std = plan.inv_std_bwd = torch.rsqrt(v + eps)
+        alpha = self.momentum
+        plan.state.update(fwd_buffer=written, running_var=alpha * self.running_var + (1 - alpha) * v)
+        return plan
 
     def _gradient_estimate(self, q, plan: StepPlan):
         t, window, alpha = plan.step, self.bwd_buffer, self.momentum
-        size = window.shape[0]
-        window[window_slot(t, size)] = plan.where_skipped(self.ema_grad, q)
+        written = with_slot(window, t, plan.where_skipped(self.ema_grad, q))
         m = q
-        if self.bwd_am and t > size and t >= self.warmup_iters:
-            m = plan.where_skipped(q, window.mean(dim=0))
-        if self.bwd_ema:
-            self.ema_grad.mul_(alpha).add_(m, alpha=1 - alpha)
-        else:
-            self.ema_grad.copy_(m)
-        return plan.where_skipped(m, self.ema_grad)
+        if self.bwd_am:
+            averaging = (t > window.shape[0]) & (t >= self.warmup_iters)
+            m = plan.where_skipped(q, torch.where(averaging, written.mean(dim=0), q))
+        ema = alpha * self.ema_grad + (1 - alpha) * m if self.bwd_ema else m
+        return plan.where_skipped(m, ema), {"bwd_buffer": written, "ema_grad": ema}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_window_shapes(self, state_dict, prefix, ("fwd_buffer", "bwd_buffer"))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def _window_pair(window_size) -> tuple[int, int]:

@@ -1,0 +1,48 @@
+"""Dynamic Tanh (Zhu, Chen, He, LeCun, Liu, "Transformers without Normalization", CVPR 2025),
+as jiachenzhu/DyT's ``DynamicTanh``: ``y = weight * tanh(alpha * x) + bias``, no statistics."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .base import ChannelNorm, channel_mean_sq, upcast
+
+
+class DynamicTanh(ChannelNorm):
+    """DyT: an elementwise squashing with a learnable scalar ``alpha`` (shape (1,), as
+    released) and a per-channel affine. Online (``tanh`` is not an affine), but its
+    ``weight`` and ``bias`` fold into a following linear layer (``fold_parts``)."""
+
+    def __init__(self, num_features: int, alpha_init: float = 0.5, device=None, dtype=None):
+        super().__init__(num_features, device=device, dtype=dtype)
+        if not (isinstance(alpha_init, (int, float)) and math.isfinite(alpha_init) and alpha_init > 0):
+            raise ValueError(f"alpha_init must be a positive number, got {alpha_init!r} "
+                             "(DyT's release: 0.5, and smaller for large or deep models)")
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init), device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, alpha_init={self.alpha.detach().flatten()[0].item():.3g}"
+
+    def _normalize(self, rows, valid):
+        if self._recording:
+            self._tap.record_act(channel_mean_sq(rows, valid))
+        return self._affine(torch.tanh(upcast(self.alpha) * upcast(rows)), valid)
+
+    def fold_parts(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+        """``(scale, shift, core)``: the output is ``core(x) * scale + shift``, and the affine
+        moves into the next linear layer, leaving ``core`` in the norm's place."""
+        return upcast(self.weight), upcast(self.bias), Tanh(self.alpha.detach().clone())
+
+
+class Tanh(nn.Module):
+    """``tanh(alpha * x)``: what stays of a DyT whose affine was folded away."""
+
+    def __init__(self, alpha: torch.Tensor):
+        super().__init__()
+        self.register_buffer("alpha", alpha)
+
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.tanh(self.alpha.to(x.dtype) * x)

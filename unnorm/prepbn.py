@@ -1,0 +1,96 @@
+"""Progressive re-parameterised BatchNorm (Guo et al., "SLAB", ICML 2024), as the release's
+``LinearNorm(norm1=LayerNorm, norm2=RepBN, warm, step, r0)`` (xinghaochen/SLAB,
+``classification/models/prepbn.py``).
+
+Training starts as LayerNorm and hands over to ``RepBN(x) = BN(x) + alpha * x`` linearly:
+after ``warmup_iters`` steps of pure LN, ``y = lam * LN(x) + (1 - lam) * RepBN(x)`` with
+``lam = r0 * k / decay_iters`` and k counting down from ``decay_iters`` to 0, one per step;
+then RepBN alone. Inference is RepBN alone: a per-channel affine, so it folds like BN.
+
+Choose ``decay_iters`` from the run's length: the hand-over must end well before training
+does. SLAB's fixed counts (60k steps) gave NaN on other schedules (xinghaochen/SLAB#6); users
+report ending the decay at about 0.8 of training works, which is what the Hydra configs
+derive (``decay_end: 0.8``; see ``plugins/training.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import StepCounted, commit_on_backward, replicas_active, statistic_ok, upcast
+from .estimated import step_count
+from .simple import batch_standardize
+
+
+class ProgressiveRepBN(StepCounted):
+    """PRepBN. ``weight``/``bias`` are the LayerNorm's affine (what ``swap_norms`` carries
+    over); ``bn_weight``/``bn_bias`` the BatchNorm's; ``alpha`` RepBN's scalar (shape (1,),
+    as released). ``momentum`` is the paper's alpha (0.9 = torch's BatchNorm momentum 0.1);
+    BN's statistics cover every valid position and are updated once the warm-up is over."""
+
+    def __init__(self, num_features: int, warmup_iters: int = 0, decay_iters: int = 300000,
+                 r0: float = 1.0, momentum: float = 0.9, eps: float = 1e-5,
+                 sync_stats: bool = False, device=None, dtype=None):
+        super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
+        if not (isinstance(r0, (int, float)) and math.isfinite(r0) and 0.0 <= r0 <= 1.0):
+            raise ValueError(f"r0 (the LayerNorm share when the decay starts) must be in [0, 1], "
+                             f"got {r0!r}")
+        if decay_iters is None:
+            raise ValueError("prepbn needs decay_iters, the hand-over's length in steps (the "
+                             "trainers derive it from norm.decay_end and the run's length)")
+        self.warmup_iters = step_count("warmup_iters", warmup_iters)
+        self.decay_iters = step_count("decay_iters", decay_iters)
+        self.r0, self.momentum, self.sync_stats = float(r0), float(momentum), bool(sync_stats)
+        factory = {"device": device, "dtype": dtype}
+        self.bn_weight = nn.Parameter(torch.ones(num_features, **factory))
+        self.bn_bias = nn.Parameter(torch.zeros(num_features, **factory))
+        self.alpha = nn.Parameter(torch.ones(1, **factory))
+        self.register_buffer("running_mean", torch.zeros(num_features, device=device))
+        self.register_buffer("running_var", torch.ones(num_features, device=device))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, warmup={self.warmup_iters}, decay={self.decay_iters}, "
+                f"r0={self.r0}, momentum={self.momentum}")
+
+    def layer_norm_share(self, step: torch.Tensor) -> torch.Tensor:
+        """lam at training step ``step`` (1 during warm-up, then r0 * k / decay_iters)."""
+        k = (self.decay_iters - (step - self.warmup_iters - 1)).clamp(0, self.decay_iters)
+        decaying = self.r0 * k.float() / max(self.decay_iters, 1)
+        return torch.where(step <= self.warmup_iters, torch.ones_like(decaying), decaying)
+
+    def inference_affine(self):
+        inv_std = torch.rsqrt(self.running_var + self.eps)
+        scale = upcast(self.bn_weight) * inv_std
+        return (scale + upcast(self.alpha),
+                upcast(self.bn_bias) - scale * self.running_mean)
+
+    def _normalize(self, rows, valid):
+        rows = upcast(rows)
+        if not self.training:
+            scale, shift = self.inference_affine()
+            return torch.addcmul(shift, rows, scale)
+        step = self.num_iters + 1
+        layer_norm = F.layer_norm(rows, (self.num_features,), upcast(self.weight),
+                                  upcast(self.bias), self.eps)
+        z, mean, var, count = batch_standardize(rows, valid, self.eps,
+                                                replicas_active(self.sync_stats))
+        if self._recording:
+            self._tap.record_act(var)
+        z = self._watch_grad(z, valid)
+        rep_bn = torch.addcmul(upcast(self.bn_bias), z, upcast(self.bn_weight)) + upcast(self.alpha) * rows
+        share = self.layer_norm_share(step)
+        mixed = share * layer_norm + (1 - share) * rep_bn
+        out = torch.where(step <= self.warmup_iters, layer_norm, mixed)  # SLAB runs no BN in warm-up
+        alpha = self.momentum
+        unbiased = var * count / (count - 1).clamp_min(1)
+        bn_on = step > self.warmup_iters
+        state = {"running_mean": torch.where(bn_on, alpha * self.running_mean + (1 - alpha) * mean,
+                                             self.running_mean),
+                 "running_var": torch.where(bn_on, alpha * self.running_var + (1 - alpha) * unbiased,
+                                            self.running_var)}
+        return commit_on_backward(out, self, valid, state, statistic_ok(var, count))
