@@ -17,9 +17,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
 
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+RESUME_KEYS = {"resume"}  # options a resume may change
+
+
+def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configurations (as loaded from YAML)."""
+    if isinstance(stored, dict) and isinstance(new, dict):
+        keys = sorted(set(stored) | set(new))
+        return [diff for key in keys if f"{prefix}{key}" not in RESUME_KEYS
+                for diff in config_differences(stored.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if stored == new else [f"{prefix.rstrip('.')} ({stored!r} -> {new!r})"]
 
 
 def git_commit() -> str:
@@ -98,9 +110,34 @@ class RunDirectory:
     def result_path(self) -> Path:
         return self.path / RESULT_FILE
 
-    def write_config(self, resolved_yaml: str) -> None:
-        if self.writer:
-            (self.path / "config.yaml").write_text(resolved_yaml)
+    def finished(self) -> Optional[dict]:
+        """The run's result if it has one (it ended, ok or FAIL), else None."""
+        return json.loads(self.result_path.read_text()) if self.result_path.exists() else None
+
+    def begin(self, resolved_yaml: str, resuming: bool) -> Optional[dict]:
+        """Start the run, or check that a resume continues it; returns the stored result of
+        a run that has ended (a resume or a requeue after the end: the caller does nothing).
+
+        A fresh run writes ``config.yaml``. A resume writes nothing: it is refused, listing
+        the keys, if its configuration differs from the run's ``config.yaml``.
+        """
+        result = self.finished()
+        if result is not None:
+            if self.writer:
+                print(f"{self.path} has finished (status {result['status']}); nothing to do, "
+                      "its records are left as they are")
+            return result
+        if resuming:
+            differing = config_differences(yaml.safe_load((self.path / CONFIG_FILE).read_text()),
+                                           yaml.safe_load(resolved_yaml))
+            if differing:
+                raise ValueError(
+                    f"refusing to resume {self.path}: these options differ from its {CONFIG_FILE}: "
+                    f"{', '.join(differing)}. Resume with the run's own options (its config.yaml), "
+                    "or start a new run without resume=")
+        elif self.writer:
+            (self.path / CONFIG_FILE).write_text(resolved_yaml)
+        return None
 
     def log(self, **metrics: Any) -> None:
         if self.writer:
@@ -121,6 +158,14 @@ class RunDirectory:
         return result
 
 
+def rejected_steps(state_dict: dict) -> dict:
+    """``{"rejected_steps": {"total": n, "layers": {layer: n}}}`` from the norms'
+    ``num_rejected`` buffers (training steps whose batch or gradient a norm refused)."""
+    layers = {key[: -len(".num_rejected")]: int(value) for key, value in state_dict.items()
+              if key.endswith(".num_rejected") and int(value) > 0}
+    return {"rejected_steps": {"total": sum(layers.values()), "layers": layers}}
+
+
 def record_collapse(run: RunDirectory, collapse: TrainingCollapsed, metrics: dict, meta: dict) -> dict:
     """Write (and announce) the FAIL result of a run that collapsed; returns it."""
     if run.writer:
@@ -129,8 +174,15 @@ def record_collapse(run: RunDirectory, collapse: TrainingCollapsed, metrics: dic
                             fail=collapse)
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` through a temporary file so a kill never leaves a torn checkpoint."""
-    tmp = Path(path).with_suffix(".tmp")
+def save_atomic(obj: Any, path: Path, keep_previous: Optional[Path] = None) -> None:
+    """``torch.save`` through a temporary file so a kill never leaves a torn checkpoint;
+    ``keep_previous`` keeps the file being replaced under that name (a hard link: no copy)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
+    if keep_previous is not None and path.exists():
+        linked = keep_previous.with_suffix(".tmp")
+        linked.unlink(missing_ok=True)
+        os.link(path, linked)
+        os.replace(linked, keep_previous)
     os.replace(tmp, path)

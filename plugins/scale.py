@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options counted in steps
+_ABSENT = object()
 
 
-def effective_config(cfg: DictConfig) -> DictConfig:
+def effective_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
     """Apply ``scale`` (e.g. cpu) to a copy of the config: the model's small variant, the
-    embedded data, a short schedule and shrunk norm warm-ups."""
+    embedded data, a short schedule, and the norms' step counts shrunk with it. The scale
+    only supplies defaults: every value the command line set (``overrides``, Hydra's
+    ``key=value`` strings) is kept as given."""
+    given = cfg
     cfg = cfg.copy()
     scale = cfg.scale
     was_struct = OmegaConf.is_struct(cfg)
@@ -21,7 +27,49 @@ def effective_config(cfg: DictConfig) -> DictConfig:
     small_data = (scale.data or {}).get(cfg.task)
     if small_data and cfg.data.name != small_data:  # chosen explicitly: kept with its overrides
         cfg.data = OmegaConf.merge(cfg.data, OmegaConf.load(CONFIGS / "data" / f"{small_data}.yaml"))
-    if scale.norm_warmup_iters is not None and "warmup_iters" in cfg.norm:
-        cfg.norm.warmup_iters = scale.norm_warmup_iters
+    if scale.scale_norm_steps:
+        factor = lr_warmup_steps(cfg) / lr_warmup_steps(given)
+        cfg.scale.norm_step_factor = factor
+        for option in NORM_STEP_OPTIONS:
+            if cfg.norm.get(option):
+                cfg.norm[option] = max(1, round(cfg.norm[option] * factor))
+    for key in command_line_values(given, overrides):
+        OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
     OmegaConf.set_struct(cfg, was_struct)
     return cfg
+
+
+def lr_warmup_steps(cfg: DictConfig) -> float:
+    """The learning-rate warm-up of ``cfg`` in optimizer steps, or its whole length in steps
+    for a recipe without warm-up (CIFAR fine-tuning): the yardstick the norms' own step
+    counts (warm-up, compensation start) are scaled by, so that at CPU scale each sits
+    against the learning-rate schedule where the paper's does."""
+    recipe = cfg.recipe
+    if cfg.task == "translation":
+        warmup, length = recipe.train.warmup_updates, recipe.train.max_update
+    elif cfg.task == "detection":
+        per_epoch = cfg.data.num_train / recipe.batch_size
+        warmup, length = recipe.warmup_iters, recipe.epochs * per_epoch
+    else:
+        per_epoch = cfg.data.num_train // recipe.batch_size  # full batches, as epoch_plan
+        warmup, length = recipe.warmup_epochs * per_epoch, recipe.epochs * per_epoch
+    steps = warmup or length
+    if not steps:
+        raise ValueError(f"{cfg.recipe.name}: no learning-rate warm-up and no run length to "
+                         "scale the norms' step counts by; set scale.scale_norm_steps=false")
+    return float(steps)
+
+
+def command_line_values(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
+    """The dotted keys of ``overrides`` that set a value of ``cfg`` (not a config group such
+    as ``norm=un`` or ``+exp=...``, not a deletion, not Hydra's own settings)."""
+    keys = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        key = key.lstrip("+")
+        if not sep or key.startswith(("~", "hydra.")):
+            continue
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        if value is not _ABSENT and not isinstance(value, DictConfig):
+            keys.append(key)
+    return keys

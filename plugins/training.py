@@ -96,16 +96,24 @@ def gather_rng(world: Distributed) -> list:
 class Checkpointer:
     """What a run saves every epoch and resumes from: its stateful parts by name (model,
     optimizer, scheduler, ...; None where a run has no such part), plus every replica's RNG
-    state and whatever the trainer adds (epoch, step, config)."""
+    state and whatever the trainer adds (epoch, step, config). The previous epoch's
+    checkpoint is kept beside it (``previous.pt``), to fall back to if the last is damaged."""
 
     def __init__(self, path: Path, world: Distributed, **parts):
         self.path, self.world, self.parts = Path(path), world, parts
+
+    @property
+    def previous(self) -> Path:
+        return self.path.with_name("previous" + self.path.suffix)
+
+    def exists(self) -> bool:
+        return self.path.exists()
 
     def resume(self) -> Optional[dict]:
         """Load the saved state into the parts; returns it (None when there is none)."""
         if not self.path.exists():
             return None
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        state = read_checkpoint(self.path, "resume", fallback=self.previous)
         for name, part in self.parts.items():
             if part is not None:
                 part.load_state_dict(state[name])
@@ -120,7 +128,23 @@ class Checkpointer:
         if self.world.main:
             parts = {name: None if part is None else part.state_dict()
                      for name, part in self.parts.items()}
-            save_atomic({**parts, "rng": rng, **extra}, self.path)
+            save_atomic({**parts, "rng": rng, **extra}, self.path, keep_previous=self.previous)
+
+
+def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None) -> dict:
+    """``torch.load`` of one of our checkpoints, or an error naming ``option`` and the fix."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # torch raises several kinds for damaged or foreign files
+        fix = (f"the previous epoch's checkpoint is kept as {fallback}: move it to {path} to "
+               "resume from the epoch before" if fallback is not None and fallback.exists()
+               else f"pass {option}= the last.pt of one of our runs (runs/<exp>/<time>/last.pt)")
+        raise ValueError(f"{option}: {path} is not a readable checkpoint ({type(error).__name__}: "
+                         f"{error}); {fix}") from error
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{option}: {path} is not a checkpoint written by scripts/train.py (no "
+                         "'model' entry); pass the last.pt of one of our runs")
+    return state
 
 
 def optimizer_step(loss: torch.Tensor, optimizer, scaler, clip_grad: Optional[float],
@@ -146,7 +170,7 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dic
     world, meta)``; ``overrides`` (the command line's) are recorded so tables can tell sweeps
     from defaults."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg)
+    cfg = effective_config(cfg, overrides)
     world = Distributed(cfg.device)
     try:
         return train_fn(cfg, Path(out_dir), world, meta)
@@ -186,8 +210,8 @@ def load_weights(model: nn.Module, path: str, reset_steps: bool,
     """
     if not Path(path).exists():
         raise FileNotFoundError(f"init_from checkpoint not found: {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    state = state.get("model_ema") or state.get("model") or state
+    state = read_checkpoint(Path(path), "init_from")
+    state = state.get("model_ema") or state["model"]
     state = {k: v for k, v in state.items() if not k.startswith(tuple(ignore))}
     own = model.state_dict()
     resized = {k for k in state if k in own and state[k].shape != own[k].shape}

@@ -1,9 +1,14 @@
-"""Per-norm cost on (B, N, C) tokens, as ratios to LayerNorm, measured side by side.
+"""Per-layer cost of every norm, eager and compiled, as ratios to LayerNorm, measured side by side.
 
-Every round times each norm once (training forward+backward, then eval forward), in a
-shuffled order, so drift and warm caches affect all norms alike; the report uses medians.
+Two inputs: ViT tokens (64, 196, 384) and Swin stage-1 maps (8, 56, 56, 96), channels last.
+Per norm and mode (eager, ``torch.compile``): one training step (forward, and the backward
+to the input and the parameters) and one inference forward. Every round times each runner
+once in a shuffled order, so drift affects all alike; the report gives medians and their
+ratios to torch's LayerNorm eager, to LayerNorm compiled, and to the faster of the two (the
+fastest LayerNorm a user can run). Estimated norms are timed after their warm-up.
 
-    python scripts/bench_norms.py --batch 32 --tokens 196 --channels 384 --rounds 30
+    python scripts/bench_norms.py                         # both shapes, every norm
+    python scripts/bench_norms.py --shapes tokens --norms ln un --rounds 50
 """
 from __future__ import annotations
 
@@ -19,78 +24,138 @@ import torch
 
 import unnorm
 
+SHAPES = {"tokens": (64, 196, 384), "swin_stage1": (8, 56, 56, 96)}
+# past every warm-up: what a long training run spends its steps in
+STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_start": 0},
+          "mabn": {"warmup_iters": 0, "window_size": 4, "compensation_start": 0},
+          "pn": {"warmup_iters": 0}, "pn_ls": {"warmup_iters": 0, "group_num": 4},
+          "prepbn": {"warmup_iters": 0, "decay_iters": 10 ** 9}}  # mid hand-over: LN and BN
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
+def runners(name: str, channels: int, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
+    """``(train_step, inference)`` closures for one norm in one mode."""
+    train_norm = unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {}))
+    eval_norm = unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {})).eval()
+    train_fn, eval_fn = train_norm, eval_norm
+    if compiled:
+        train_fn, eval_fn = torch.compile(train_norm), torch.compile(eval_norm)
+    inputs = [x, *train_norm.parameters()]
+
+    def train_step():
+        torch.autograd.grad(train_fn(x), inputs, dy)
+
+    @torch.inference_mode()
+    def inference():
+        eval_fn(x)
+    return train_step, inference
+
+
+def measure(shape, norms, args, device) -> list[dict]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(device).requires_grad_(True)
+    dy = torch.randn(shape, generator=gen).to(device)
+    steps = {}
+    for name in norms:
+        for mode in ("eager", "compiled"):
+            train_step, inference = runners(name, shape[-1], x, dy, mode == "compiled")
+            steps[(name, mode, "train")], steps[(name, mode, "infer")] = train_step, inference
+    steps[("torch_ln", "eager", "train")], steps[("torch_ln", "eager", "infer")] = \
+        _torch_layer_norm(shape[-1], x, dy)
+    print(f"{shape}: warming up {len(steps)} runners (compiling)...", flush=True)
+    for fn in steps.values():
+        for _ in range(args.warmup):
+            fn()
+    times = {key: [] for key in steps}
+    order = list(steps)
+    for _ in range(args.rounds):
+        random.shuffle(order)
+        for key in order:
+            _sync(device)
+            start = time.perf_counter()
+            steps[key]()
+            _sync(device)
+            times[key].append(time.perf_counter() - start)
+    median = {key: statistics.median(values) for key, values in times.items()}
+    rows = []
+    for (name, mode, kind), seconds in sorted(median.items()):
+        eager_ln, compiled_ln = median[("ln", "eager", kind)], median[("ln", "compiled", kind)]
+        fastest = min(eager_ln, compiled_ln, median[("torch_ln", "eager", kind)])
+        rows.append({"shape": list(shape), "norm": name, "mode": mode, "kind": kind,
+                     "ms": 1e3 * seconds, "vs_ln_eager": seconds / eager_ln,
+                     "vs_ln_compiled": seconds / compiled_ln, "vs_fastest_ln": seconds / fastest})
+    return rows
+
+
+def _torch_layer_norm(channels, x, dy):
+    """torch.nn.LayerNorm itself (ours wraps it), eager: the baseline users know."""
+    train_norm = torch.nn.LayerNorm(channels, device=x.device)
+    eval_norm = torch.nn.LayerNorm(channels, device=x.device).eval()
+    inputs = [x, *train_norm.parameters()]
+
+    def train_step():
+        torch.autograd.grad(train_norm(x), inputs, dy)
+
+    @torch.inference_mode()
+    def inference():
+        eval_norm(x)
+    return train_step, inference
+
+
+def report(rows) -> str:
+    lines = ["| shape | norm | mode | train ms | x fastest LN | infer ms | x fastest LN |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    by = {(tuple(r["shape"]), r["norm"], r["mode"], r["kind"]): r for r in rows}
+    for shape, name, mode, kind in by:
+        if kind != "train":
+            continue
+        train, infer = by[(shape, name, mode, "train")], by[(shape, name, mode, "infer")]
+        lines.append(f"| {'x'.join(map(str, shape))} | {name} | {mode} | {train['ms']:.2f} | "
+                     f"{train['vs_fastest_ln']:.2f} | {infer['ms']:.2f} | {infer['vs_fastest_ln']:.2f} |")
+    return "\n".join(lines)
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=196)
-    parser.add_argument("--channels", type=int, default=384)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--norms", nargs="+", default=unnorm.available_norms(),
+                        choices=unnorm.available_norms())
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file (default results/benchmarks/norms_<device>.json)")
     args = parser.parse_args()
+    if "ln" not in args.norms:
+        args.norms = ["ln", *args.norms]
     device = torch.device(args.device)
-    shape = (args.batch, args.tokens, args.channels)
-    # warm-up 0 so UN/MABN/PN time their full (post-warm-up) algorithm
-    options = {"un": {"warmup_iters": 0, "outlier_filtration": True},
-               "mabn": {"warmup_iters": 0, "window_size": 4}, "pn": {"warmup_iters": 0},
-               "pn_ls": {"warmup_iters": 0, "group_num": 6}}
-    norms = {name: unnorm.build_norm(name, args.channels, device=device, **options.get(name, {}))
-             for name in unnorm.available_norms()}
-    x = torch.randn(shape, device=device, requires_grad=True)
-    dy = torch.randn(shape, device=device)
-
-    def train_step(norm):
-        norm.train()
-        norm(x).backward(dy)
-
-    @torch.no_grad()
-    def infer(norm):
-        norm.eval()
-        norm(x)
-
-    times = {name: {"train": [], "infer": []} for name in norms}
-    order = list(norms)
-    for round_index in range(args.warmup + args.rounds):
-        random.shuffle(order)
-        for name in order:
-            train_time = _time(lambda: train_step(norms[name]), device)
-            infer_time = _time(lambda: infer(norms[name]), device)
-            if round_index >= args.warmup:
-                times[name]["train"].append(train_time)
-                times[name]["infer"].append(infer_time)
-    median = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    base = median["ln"]
-    print(f"shape (B, N, C) = {shape}, device {device}, {args.rounds} rounds, medians")
-    print(f"{'norm':8} {'train ms':>9} {'x LN':>6} {'infer ms':>9} {'x LN':>6}")
-    rows = []
-    for name, m in median.items():
-        row = {"norm": name, "train_ms": 1e3 * m["train"], "train_vs_ln": m["train"] / base["train"],
-               "infer_ms": 1e3 * m["infer"], "infer_vs_ln": m["infer"] / base["infer"]}
-        rows.append(row)
-        print(f"{name:8} {row['train_ms']:9.3f} {row['train_vs_ln']:6.2f} "
-              f"{row['infer_ms']:9.3f} {row['infer_vs_ln']:6.2f}")
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    rows = [row for shape in args.shapes for row in measure(SHAPES[shape], args.norms, args, device)]
+    table = report(rows)
+    print(table)
     out = args.out or Path("results/benchmarks") / f"norms_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"shape": shape, "device": machine, "torch": torch.__version__,
-                               "rounds": args.rounds, "results": rows}, indent=2))
+    out.write_text(json.dumps({"device": machine(device), "torch": torch.__version__,
+                               "cuda": torch.version.cuda if device.type == "cuda" else None,
+                               "rounds": args.rounds, "command": "python scripts/bench_norms.py "
+                               + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+                                          if k not in ("out",) and not isinstance(v, list)),
+                               "results": rows, "table": table}, indent=2))
     print(f"wrote {out}")
 
 

@@ -6,15 +6,18 @@ and the training-step cost of every norm, measured side by side in one run.
     python scripts/benchmark.py --models swin_t --no-compile --rounds 5
     python scripts/benchmark.py --models mask_rcnn_swin_t --det-batch 2   # Table 8's COCO row
 
-Variants, per model: ``ln``; ``un`` (unfolded); ``un_folded`` (every UN folded into its
-linear consumer or a frozen affine); ``no_norm`` (every norm removed: what folding can reach
-at best). Each runs eager and, unless --no-compile, under ``torch.compile`` (classifiers;
-Mask R-CNN runs eager: torchvision's detectors have data-dependent control flow). Mask R-CNN
-(Swin-T + FPN, torchvision) takes ``--det-batch`` COCO-sized 640x480 images, which it resizes
-to 800 px on the short side as in evaluation. Rounds
-interleave the variants in a shuffled order so drift affects all alike; medians are reported.
-Peak memory: GPU max allocated, or on CPU the peak RSS during inference of a fresh subprocess
-per variant (weights and activations on top of the loaded libraries).
+Inference variants, per model: ``ln``; ``un`` (unfolded); ``un_folded`` (every UN folded into
+its linear consumer or a frozen affine); ``prepbn_folded`` (PRepBN's RepBN, folded alike);
+``dyt`` (DyT with its weight and bias folded away, ``tanh(alpha x)`` left); ``no_norm`` (every
+norm removed: what folding can reach at best). Each runs eager and, unless --no-compile,
+under ``torch.compile`` (classifiers; Mask R-CNN runs eager: torchvision's detectors have
+data-dependent control flow). Mask R-CNN (Swin-T + FPN, torchvision) takes ``--det-batch``
+COCO-sized 640x480 images, which it resizes to 800 px on the short side as in evaluation.
+Training: one optimizer step of every norm's classifier, compiled unless --no-compile (LN
+compiled is the baseline), the norms past their warm-ups. Rounds interleave the variants in
+a shuffled order so drift affects all alike; medians are reported. Peak memory: GPU max
+allocated, or on CPU the peak RSS during inference of a fresh subprocess per variant
+(weights and activations on top of the loaded libraries).
 """
 from __future__ import annotations
 
@@ -41,15 +44,22 @@ from plugins.torchvision.detectors import build_detector, fold_detector  # noqa:
 MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14",
           "mask_rcnn_swin_t": "configs/model/faster_rcnn_swin_t.yaml"}  # + masks, as mask_rcnn_swin_t.yaml
 DETECTORS = {"mask_rcnn_swin_t"}
-VARIANTS = ("ln", "un", "un_folded", "no_norm")
-UN_OPTIONS = {"warmup_iters": 0, "outlier_filtration": True}
+VARIANT_NORMS = {"ln": "ln", "un": "un", "un_folded": "un", "prepbn_folded": "prepbn",
+                 "dyt": "dyt", "no_norm": "nonorm"}
+VARIANTS = tuple(VARIANT_NORMS)
+FOLDED = {"un_folded", "prepbn_folded", "dyt"}
+# past every warm-up (PRepBN: inside its hand-over, where training computes LN and BN)
+STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_start": 0},
+          "mabn": {"warmup_iters": 0, "window_size": 4, "compensation_start": 0},
+          "pn": {"warmup_iters": 0}, "pn_ls": {"warmup_iters": 0},
+          "prepbn": {"warmup_iters": 0, "decay_iters": 10 ** 9}}
 COCO_IMAGE = (480, 640)  # a typical COCO image; the detector resizes it to 800 x 1066
 
 
 def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
     """An eval-mode model of the variant (weights random: speed does not depend on them)."""
-    norm = {"ln": "ln", "un": "un", "un_folded": "un", "no_norm": "nonorm"}[variant]
-    options = UN_OPTIONS if norm == "un" else {}
+    norm = VARIANT_NORMS[variant]
+    options = STEADY.get(norm, {})
     if model in DETECTORS:
         config = OmegaConf.load(ROOT / MODELS[model])
         config.masks = True
@@ -57,7 +67,7 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
     else:
         net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
     net.eval()
-    if variant == "un_folded":
+    if variant in FOLDED:
         fold_detector(net) if model in DETECTORS else fold_model(net)
     elif variant == "no_norm":
         for name, module in list(net.named_modules()):
@@ -165,23 +175,25 @@ def rss_probe(model: str, variant: str, args) -> None:
 
 
 def training(args, device) -> list[dict]:
-    """Median time of one optimizer step per norm (random labels), interleaved."""
+    """Median time of one optimizer step per norm (random labels), interleaved; the model
+    compiled unless --no-compile."""
     images = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device)
     labels = torch.randint(0, 1000, (args.train_batch,), device=device)
     steps = {}
     for model in [m for m in args.models if m not in DETECTORS]:
         for norm in unnorm.available_norms():
-            options = {"warmup_iters": 0} if norm in ("un", "mabn", "pn", "pn_ls") else {}
-            net = create_classifier(MODELS[model], {"name": norm, **options}, 1000,
+            net = create_classifier(MODELS[model], {"name": norm, **STEADY.get(norm, {})}, 1000,
                                     args.img_size).to(device).train()
             optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+            run = torch.compile(net) if args.compile else net
 
-            def step(net=net, optimizer=optimizer):
+            def step(run=run, optimizer=optimizer):
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = torch.nn.functional.cross_entropy(net(images), labels)
+                    loss = torch.nn.functional.cross_entropy(run(images), labels)
                 loss.backward()
                 optimizer.step()
+            print(f"warming up the training step of {model} with {norm}...", flush=True)
             for _ in range(args.warmup):
                 step()
             steps[(model, norm)] = step
@@ -191,7 +203,8 @@ def training(args, device) -> list[dict]:
         random.shuffle(order)
         for key in order:
             times[key].append(time_batches(steps[key], 1, device))
-    return [{"model": model, "norm": norm, "step_ms": 1e3 * statistics.median(values)}
+    mode = "compile" if args.compile else "eager"
+    return [{"model": model, "norm": norm, "mode": mode, "step_ms": 1e3 * statistics.median(values)}
             for (model, norm), values in times.items()]
 
 
@@ -204,10 +217,10 @@ def report(inference_rows, training_rows) -> str:
         mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
         lines.append(f"| {r['model']} | {r['variant']} | {r['mode']} | {r['images_per_s']:.1f} | "
                      f"{r['images_per_s'] / ln:.3f} | {r['images_per_s'] / limit:.3f} | {mem} |")
-    lines += ["", "| model | norm | train step ms | vs LN |", "|---|---|---:|---:|"]
+    lines += ["", "| model | norm | mode | train step ms | vs LN |", "|---|---|---|---:|---:|"]
     step = {(r["model"], r["norm"]): r["step_ms"] for r in training_rows}
     for r in training_rows:
-        lines.append(f"| {r['model']} | {r['norm']} | {r['step_ms']:.1f} | "
+        lines.append(f"| {r['model']} | {r['norm']} | {r['mode']} | {r['step_ms']:.1f} | "
                      f"{r['step_ms'] / step[(r['model'], 'ln')]:.3f} |")
     return "\n".join(lines)
 
@@ -243,7 +256,8 @@ def main() -> None:
     out = args.out or ROOT / "results" / "benchmarks" / f"inference_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "device": machine(device), "torch": torch.__version__, "batch": args.batch,
+        "device": machine(device), "torch": torch.__version__,
+        "cuda": torch.version.cuda if gpu else None, "batch": args.batch,
         "det_batch": args.det_batch,
         "train_batch": args.train_batch, "img_size": args.img_size, "rounds": args.rounds,
         "batches_per_round": args.batches, "command": " ".join(sys.argv),

@@ -15,6 +15,8 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # plugins/ from a plain checkout
 
+from plugins.runlog import RESULT_FILE  # noqa: E402
+
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
@@ -37,7 +39,7 @@ def main(cfg: DictConfig) -> float:
         raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification, "
                          "translation, detection")
     out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
-    if cfg.resume and not (out_dir / CHECKPOINT).exists():
+    if cfg.resume and not any((out_dir / name).exists() for name in (CHECKPOINT, RESULT_FILE)):
         raise FileNotFoundError(f"resume={cfg.resume}: no {CHECKPOINT} there; pass the run "
                                 "directory of the run to continue (runs/<exp>/<time>)")
     result = train(cfg, out_dir, HydraConfig.get().overrides.task)

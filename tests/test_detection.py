@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
@@ -132,7 +133,7 @@ def test_every_norm_trains_both_detectors(model, norm, tmp_path):
     saved = json.loads((tmp_path / "run" / "result.json").read_text())
     assert saved["metrics"] == pytest.approx(result["metrics"], nan_ok=True)
     checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
-    cfg = effective_config(config(f"+exp={model}_{norm}", "scale=cpu"))
+    cfg = OmegaConf.create(checkpoint["config"])  # as it ran (PRepBN's hand-over fitted to it)
     detector = build_detector(cfg.model, cfg.norm, num_classes=4)
     detector.load_state_dict(checkpoint["model"])
     norms = [m for m in detector.modules() if isinstance(m, unnorm.ChannelNorm)]

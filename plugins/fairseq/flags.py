@@ -30,7 +30,12 @@ OPTIONS = {
     "bwd_am": ("--un-bwd-am", boolean),
     "bwd_ema": ("--un-bwd-ema", boolean),
     "grad_compensation": ("--un-grad-compensation", boolean),
+    "compensation_start": ("--un-compensation-start", int),
     "group_num": ("--un-group-num", int),
+    "padded_in_backward": ("--un-padded-in-backward", boolean),
+    "alpha_init": ("--un-alpha-init", float),
+    "decay_iters": ("--un-decay-iters", int),
+    "r0": ("--un-r0", float),
     "sync_stats": ("--un-sync-stats", boolean),
 }
 

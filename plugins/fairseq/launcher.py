@@ -23,8 +23,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from plugins.norms import fit_norm_to_run, norm_options
 from plugins.runlog import (METRICS_FILE, CollapseDetector, RunDirectory, TrainingCollapsed,
-                            record_collapse)
+                            record_collapse, rejected_steps)
 from plugins.scale import effective_config
 
 from .data import prepare
@@ -80,21 +81,19 @@ def _container(node: Optional[DictConfig]) -> dict:
     return {} if node is None else OmegaConf.to_container(node, resolve=True)
 
 
-def norm_options(cfg: DictConfig) -> dict:
-    """The ``build_norm`` options of the run's norm config (everything but its name)."""
-    return {k: v for k, v in _container(cfg.norm).items() if k != "name"}
-
-
 def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path) -> list[str]:
     command = [env.bin("fairseq-train"), str(data), "--user-dir", str(USER_DIR),
                "--task", "translation", "--source-lang", cfg.data.source_lang,
                "--target-lang", cfg.data.target_lang, "--arch", cfg.model.arch,
-               *norm_flags(cfg.norm.name, norm_options(cfg)), "--seed", str(cfg.seed),
+               *norm_flags(cfg.norm.name, norm_options(cfg.norm)), "--seed", str(cfg.seed),
                "--save-dir", str(save_dir), "--keep-last-epochs", str(cfg.recipe.average_last),
                "--log-format", "json", "--num-workers", str(cfg.scale.num_workers)]
     if cfg.model.normalize_before:
         command += ["--encoder-normalize-before", "--decoder-normalize-before"]
-    command += fairseq_flags(_container(cfg.model.args)) + fairseq_flags(_container(cfg.recipe.train))
+    command += ["--norm-pad-mask", str(bool(cfg.model.norm_pad_mask)).lower()]
+    train = _container(cfg.recipe.train)
+    train["lr"] = train["lr"] * cfg.lr_multiple
+    command += fairseq_flags(_container(cfg.model.args)) + fairseq_flags(train)
     return command + (["--cpu"] if cfg.device == "cpu" else [])
 
 
@@ -202,16 +201,24 @@ def _generated(output: str) -> tuple[list[str], list[str]]:
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train, average, translate and score one run; returns the ``result.json`` content."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg)
+    cfg = effective_config(cfg, overrides)
+    for option in ("record_statistics", "compile"):
+        if cfg[option]:
+            raise ValueError(f"{option}=true is supported by classification and torchvision "
+                             "detection; drop it for translation (fairseq trains the model)")
+    cfg = fit_norm_to_run(cfg, cfg.recipe.train.max_update or 0)
     env = FairseqEnv()
     data = prepare(cfg.data, env.prefix)
     run = RunDirectory(Path(out_dir))
-    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
-    meta = {**meta, "task": "translation", "exp": cfg.exp_name, "model": cfg.model.name,
-            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg),
-            "seed": cfg.seed, "scale": cfg.scale.name, "run_dir": str(run.path)}
-    command = train_command(cfg, env, data, (run.path / "checkpoints").resolve())
     resumed = (run.path / CHECKPOINT).exists()
+    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True), resuming=resumed)
+    if finished is not None:
+        return finished
+    meta = {**meta, "task": "translation", "exp": cfg.exp_name, "model": cfg.model.name,
+            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
+            "norm_pad_mask": bool(cfg.model.norm_pad_mask), "seed": cfg.seed,
+            "scale": cfg.scale.name, "run_dir": str(run.path)}
+    command = train_command(cfg, env, data, (run.path / "checkpoints").resolve())
     print(f"{cfg.exp_name}: fairseq {cfg.model.arch} with {cfg.norm.name} on {cfg.data.name} "
           f"(scale {cfg.scale.name}{', resuming' if resumed else ''}); log: {run.path / 'train.log'}")
     (run.path / "train_command.txt").write_text(" ".join(command) + "\n")
@@ -219,7 +226,8 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     try:
         update = run_training(command, env, run, detector)
     except TrainingCollapsed as collapse:
-        return record_collapse(run, collapse, {"train_loss": detector.last_loss}, meta)
+        return record_collapse(run, collapse, {"train_loss": detector.last_loss},
+                               {**meta, **norm_rejections(env, run)})
     last = _last_records(run)
     train_stats, valid_stats = last.get("train", {}), last.get("valid", {})
     steps = int(train_stats.get("train_num_updates", update))
@@ -230,4 +238,18 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
                **evaluate(cfg, env, data, run)}
     print(f"{cfg.exp_name}: BLEU {metrics['bleu']:.2f} (tokenised {metrics['bleu_tokenized']:.2f}) "
           f"after {steps} updates")
-    return run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": steps})
+    return run.write_result(status="ok", metrics=metrics,
+                            meta={**meta, "steps": steps, **norm_rejections(env, run)})
+
+
+def norm_rejections(env: FairseqEnv, run: RunDirectory) -> dict:
+    """``rejected_steps`` of the last checkpoint's norms (read in fairseq's environment, whose
+    checkpoints hold its own objects)."""
+    checkpoint = run.path / CHECKPOINT
+    if not checkpoint.exists():
+        return rejected_steps({})
+    script = ("import json, sys, torch; state = torch.load(sys.argv[1], map_location='cpu', "
+              "weights_only=False)['model']; print(json.dumps({k: int(v) for k, v in state.items() "
+              "if k.endswith('.num_rejected')}))")
+    printed = _run([env.bin("python"), "-c", script, str(checkpoint)], env)
+    return rejected_steps(json.loads(printed.strip().splitlines()[-1]))

@@ -20,7 +20,7 @@ import unnorm
 from .convert import timm_to_mmdet
 
 MMDET_NAMES = {"ln": "UnnormLN", "rms": "RMS", "bn": "UnnormBN", "mabn": "MABN", "pn": "PN",
-               "pn_ls": "PN_LS", "nonorm": "NoNorm", "un": "UN"}
+               "pn_ls": "PN_LS", "nonorm": "NoNorm", "un": "UN", "dyt": "DyT", "prepbn": "PRepBN"}
 
 
 def _registered_norm(name: str) -> type:

@@ -20,10 +20,11 @@ from mmengine.registry import HOOKS
 from mmengine.runner import Runner
 from omegaconf import DictConfig, OmegaConf
 
-from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
+from plugins.norms import fit_norm_to_run, norm_options
+from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
+                            rejected_steps)
 from plugins.scale import effective_config
-from plugins.timm.models import norm_options
-from plugins.training import require_init
+from plugins.training import read_checkpoint, require_init
 
 from . import norm_cfg
 from .convert import timm_to_mmdet
@@ -111,8 +112,8 @@ def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
     mm.test_evaluator = mm.val_evaluator
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mm.train_dataloader.batch_size = recipe.batch_size // world
-    mm.optim_wrapper.optimizer.update(lr=recipe.lr * recipe.batch_size / recipe.lr_batch,
-                                      weight_decay=recipe.weight_decay)
+    peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
+    mm.optim_wrapper.optimizer.update(lr=peak_lr, weight_decay=recipe.weight_decay)
     if recipe.clip_grad:
         mm.optim_wrapper.clip_grad = dict(max_norm=recipe.clip_grad)
     mm.param_scheduler = [
@@ -135,23 +136,28 @@ def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and evaluate one detection run with mmdetection; returns ``result.json``'s content."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg)
+    cfg = effective_config(cfg, overrides)
     out_dir = Path(out_dir)
     # mmengine's checkpoints hold its own objects, and it never passes weights_only to torch.load
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    if cfg.record_statistics:
-        raise ValueError("record_statistics=true is supported by model.backend=torchvision; "
-                         "drop it for the mmdet backend")
+    for option in ("record_statistics", "compile"):
+        if cfg[option]:
+            raise ValueError(f"{option}=true is supported by model.backend=torchvision; drop it "
+                             "for the mmdet backend")
     require_init(cfg)
     if cfg.data.get("generate"):
         from plugins.torchvision.shapes import ensure_shapes
         ensure_shapes(Path(cfg.data.root), **cfg.data.generate)
+    cfg = fit_norm_to_run(cfg, cfg.recipe.epochs * steps_per_epoch(cfg))
     run = RunDirectory(out_dir)
-    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
+    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
+                         resuming=(out_dir / CHECKPOINT).exists())
+    if finished is not None:
+        return finished
     mm = mmdet_config(cfg, out_dir)
     init = "scratch"
     if cfg.init_from:
-        saved = torch.load(cfg.init_from, map_location="cpu", weights_only=False)
+        saved = read_checkpoint(Path(cfg.init_from), "init_from")
         converted = out_dir / "backbone_init.pth"
         torch.save({"state_dict": timm_to_mmdet(saved.get("model_ema") or saved["model"],
                                                 reset_steps=cfg.reset_norm_steps)}, converted)
@@ -167,7 +173,17 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     hook = next(h for h in runner.hooks if isinstance(h, UnnormRunHook))
     try:
         runner.train()
-        result = run.write_result(status="ok", metrics=hook.last, meta={**meta, "steps": runner.iter})
+        meta.update(steps=runner.iter, **rejected_steps(runner.model.state_dict()))
+        result = run.write_result(status="ok", metrics=hook.last, meta=meta)
     except TrainingCollapsed as collapse:
+        meta.update(rejected_steps(runner.model.state_dict()))
         result = record_collapse(run, collapse, hook.last, meta)
     return result
+
+
+def steps_per_epoch(cfg: DictConfig) -> int:
+    """Training iterations per epoch: the annotated images of the training split (mmdet
+    drops images without objects) over the global batch."""
+    coco = json.loads((Path(cfg.data.root) / cfg.data.train.annotations).read_text())
+    annotated = {a["image_id"] for a in coco["annotations"] if not a.get("iscrowd", 0)}
+    return len(annotated) // cfg.recipe.batch_size

@@ -10,15 +10,9 @@ from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import nn
 
 import unnorm
+from plugins.norms import norm_options
 
 from .t2t_vit import T2TViT
-
-
-def norm_options(norm_cfg: Mapping) -> dict:
-    """The ``build_norm`` options of a norm config (everything but its name)."""
-    if not isinstance(norm_cfg, dict):
-        norm_cfg = OmegaConf.to_container(norm_cfg, resolve=True)
-    return {key: value for key, value in norm_cfg.items() if key != "name"}
 
 
 def create_classifier(timm_name: str, norm_cfg: Mapping, num_classes: int, img_size: int,

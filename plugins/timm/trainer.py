@@ -21,13 +21,15 @@ from tqdm import tqdm
 
 import unnorm
 from plugins.logger import make_logger
-from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
+from plugins.norms import fit_norm_to_run, norm_options
+from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
+                            rejected_steps)
 from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, epoch_plan,
                               load_weights, optimizer_step, require_init, run_task,
                               save_statistics, seed_everything)
 
 from .data import build_datasets
-from .models import model_from_config, norm_options
+from .models import model_from_config
 
 CHECKPOINT = "last.pt"
 
@@ -73,13 +75,16 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     recipe, device = cfg.recipe, world.device
     require_init(cfg)
-    run = RunDirectory(out_dir, writer=world.main)
-    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
-    seed_everything(cfg.seed + world.rank)
-
     train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
     batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
                                                  cfg.scale.max_steps_per_epoch, world, cfg.seed)
+    cfg = fit_norm_to_run(cfg, recipe.epochs * steps_per_epoch)
+    run = RunDirectory(out_dir, writer=world.main)
+    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
+                         resuming=(out_dir / CHECKPOINT).exists())
+    if finished is not None:
+        return finished
+    seed_everything(cfg.seed + world.rank)
     val_sampler = (torch.utils.data.DistributedSampler(val_set, shuffle=False)
                    if world.world > 1 else None)
     loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
@@ -97,7 +102,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
               f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
     ema = ModelEmaV3(model, decay=recipe.model_ema.decay) if recipe.model_ema.enabled else None
 
-    lr = recipe.lr * recipe.batch_size / recipe.lr_batch
+    lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
     optimizer = create_optimizer_v2(
         _param_groups(model, recipe.weight_decay, recipe.backbone_lr_ratio), opt=recipe.opt,
         lr=lr, weight_decay=recipe.weight_decay, momentum=recipe.momentum)
@@ -123,6 +128,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     if state is not None:
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
 
+    if cfg.compile:  # in place: state-dict keys stay as they are
+        model.compile()
+        if ema is not None:
+            ema.module.compile()
     net = data_parallel(model, device) if world.world > 1 else model
     meta = {**meta, "task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,
             "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
@@ -182,8 +191,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                 print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
                       f"top1 {metrics['top1']:.2f}" + (f" (ema {metrics['top1_ema']:.2f})" if ema else ""))
             checkpoint.save(epoch=epoch, step=step, init=init, config=OmegaConf.to_container(cfg))
-        result = run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": step})
+        meta.update(steps=step, **rejected_steps(model.state_dict()))
+        result = run.write_result(status="ok", metrics=metrics, meta=meta)
     except TrainingCollapsed as collapse:
+        meta.update(rejected_steps(model.state_dict()))
         result = record_collapse(run, collapse, metrics, meta)
     finally:
         if recorder is not None:

@@ -17,7 +17,8 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
 import unnorm
-from plugins.timm.models import check_plan, create_classifier, fold_model, norm_options, swin_fold_plan
+from plugins.norms import norm_options
+from plugins.timm.models import check_plan, create_classifier, fold_model, swin_fold_plan
 
 # A classifier checkpoint's keys the backbone has no use for: the head and the final norm.
 CLASSIFIER_ONLY = ("head.", "norm.")

@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 import unnorm
 from plugins.logger import make_logger
-from plugins.runlog import CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse
-from plugins.timm.models import norm_options
+from plugins.norms import fit_norm_to_run, norm_options
+from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
+                            rejected_steps)
 from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, epoch_plan,
                               load_weights, optimizer_step, require_init, run_task,
                               save_statistics, seed_everything)
@@ -69,14 +70,17 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     recipe, device = cfg.recipe, world.device
     require_init(cfg)
-    run = RunDirectory(out_dir, writer=world.main)
-    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
-    seed_everything(cfg.seed + world.rank)
     iou_types = ("bbox", "segm") if cfg.model.masks else ("bbox",)
-
     train_set, val_set = build_datasets(cfg.data, cfg.model.masks)
     batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
                                                  cfg.scale.max_steps_per_epoch, world, cfg.seed)
+    cfg = fit_norm_to_run(cfg, recipe.epochs * steps_per_epoch)
+    run = RunDirectory(out_dir, writer=world.main)
+    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
+                         resuming=(out_dir / CHECKPOINT).exists())
+    if finished is not None:
+        return finished
+    seed_everything(cfg.seed + world.rank)
 
     model = build_detector(cfg.model, cfg.norm, train_set.num_classes).to(device)
     init = "scratch"
@@ -89,15 +93,16 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
 
     skip = {f"backbone.body.{name}" for name in model.backbone.body.no_weight_decay()}
     skip |= {name for name, _ in model.named_parameters() if "relative_position_bias_table" in name}
+    peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
     optimizer = create_optimizer_v2(
         param_groups_weight_decay(model, recipe.weight_decay, no_weight_decay_list=skip),
-        opt=recipe.opt, lr=recipe.lr * recipe.batch_size / recipe.lr_batch,
+        opt=recipe.opt, lr=peak_lr,
         weight_decay=recipe.weight_decay)
     scheduler, epochs = create_scheduler_v2(
         optimizer, sched="multistep", num_epochs=recipe.epochs,
         decay_milestones=list(recipe.decay_epochs), decay_rate=recipe.decay_rate,
         warmup_epochs=recipe.warmup_iters / steps_per_epoch,
-        warmup_lr=recipe.lr * recipe.warmup_ratio, step_on_epochs=False,
+        warmup_lr=peak_lr * recipe.warmup_ratio, step_on_epochs=False,
         updates_per_epoch=steps_per_epoch)
     amp, scaler = amp_context(cfg.amp, device)
     detector = CollapseDetector(**cfg.collapse)
@@ -109,6 +114,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     if state is not None:
         start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
 
+    if cfg.compile:  # the backbone: torchvision's heads branch on data; in place, keys unchanged
+        model.backbone.compile(dynamic=True)
     net = data_parallel(model, device) if world.world > 1 else model
     meta = {**meta, "task": "detection", "exp": cfg.exp_name, "model": cfg.model.name,
             "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
@@ -170,8 +177,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                 scores = " ".join(f"{k} {metrics[k]:.2f}" for k in ("bbox_AP", "segm_AP") if k in metrics)
                 print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} {scores}")
             checkpoint.save(epoch=epoch, step=step, init=init, config=OmegaConf.to_container(cfg))
-        result = run.write_result(status="ok", metrics=metrics, meta={**meta, "steps": step})
+        meta.update(steps=step, **rejected_steps(model.state_dict()))
+        result = run.write_result(status="ok", metrics=metrics, meta=meta)
     except TrainingCollapsed as collapse:
+        meta.update(rejected_steps(model.state_dict()))
         result = record_collapse(run, collapse, metrics, meta)
     finally:
         if recorder is not None:

@@ -5,8 +5,9 @@ replace their norms after construction (norms draw no random numbers, so every o
 is initialised as in the stock model), and the encoder and decoder replace their final norm.
 fairseq calls a norm as ``norm(x)``; the encoder and decoder therefore hand every norm of
 their stack the padding mask of the batch in flight (``PadMaskFeed``), so padding stays out
-of batch statistics. With ``--norm-type ln`` the model computes exactly what the stock model
-does.
+of batch statistics. ``--norm-pad-mask false`` hands none, as the UN release's fairseq fork
+does (its layers call the norm without a mask, so padding enters UN's statistics). With
+``--norm-type ln`` the model computes exactly what the stock model does.
 """
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ from fairseq.models.transformer import (
     transformer_iwslt_de_en,
     transformer_wmt_en_de,
 )
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from fairseq.modules.transformer_layer import (
+    TransformerDecoderLayerBase,
+    TransformerEncoderLayerBase,
+)
 from torch import nn
 
 import unnorm
-from plugins.fairseq.flags import OPTIONS, dest
+from plugins.fairseq.flags import OPTIONS, boolean, dest
 
 
 def norm_options(cfg) -> dict:
@@ -45,12 +49,14 @@ class PadMaskFeed:
     """Gives norms that fairseq calls as ``norm(x)`` the pad mask of the current batch.
 
     The stack's ``forward`` sets fairseq's (B, T) mask for its duration; a forward pre-hook on
-    each norm adds it, transposed to the time-first (T, B) of x, as ``pad_mask=``.
+    each norm adds it, transposed to the time-first (T, B) of x, as ``pad_mask=``. Disabled,
+    it hands no mask (``--norm-pad-mask false``).
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, enabled: bool = True):
         self.mask: Optional[torch.Tensor] = None
-        for norm in module.modules():
+        self.enabled = enabled
+        for norm in module.modules() if enabled else ():
             if isinstance(norm, unnorm.ChannelNorm):
                 norm.register_forward_pre_hook(self._add_mask, with_kwargs=True)
 
@@ -62,7 +68,7 @@ class PadMaskFeed:
     @contextmanager
     def batch(self, pad_mask: torch.Tensor):
         """``pad_mask``: (B, T), True = padding."""
-        self.mask = pad_mask.t()
+        self.mask = pad_mask.t() if self.enabled else None
         try:
             yield
         finally:
@@ -91,7 +97,7 @@ class UnnormTransformerEncoder(TransformerEncoderBase):
         super().__init__(cfg, dictionary, embed_tokens)
         if self.layer_norm is not None:
             self.layer_norm = build_norm(cfg, embed_tokens.embedding_dim)
-        self.pad_feed = PadMaskFeed(self)
+        self.pad_feed = PadMaskFeed(self, cfg.norm_pad_mask)
 
     def build_encoder_layer(self, cfg):
         return UnnormEncoderLayer(cfg, return_fc=self.return_fc)
@@ -107,7 +113,7 @@ class UnnormTransformerDecoder(TransformerDecoderBase):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
         if self.layer_norm is not None:
             self.layer_norm = build_norm(cfg, self.embed_dim)
-        self.pad_feed = PadMaskFeed(self)
+        self.pad_feed = PadMaskFeed(self, cfg.norm_pad_mask)
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
         return UnnormDecoderLayer(cfg, no_encoder_attn=no_encoder_attn)
@@ -125,13 +131,16 @@ class UnnormTransformerDecoder(TransformerDecoderBase):
 
 @register_model("unnorm_transformer")
 class UnnormTransformerModel(TransformerModel):
-    """fairseq's ``transformer`` with ``--norm-type {ln,rms,bn,mabn,pn,pn_ls,nonorm,un}``."""
+    """fairseq's ``transformer`` with ``--norm-type <any unnorm norm>``."""
 
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
         parser.add_argument("--norm-type", choices=unnorm.available_norms(), default="ln",
                             help="the norm of every layer (unnorm.build_norm)")
+        parser.add_argument("--norm-pad-mask", type=boolean, default=True, metavar="BOOL",
+                            help="hand the norms the batch's padding mask (false: none, as "
+                                 "the UN release's fairseq fork)")
         for option, (flag, kind) in OPTIONS.items():
             parser.add_argument(flag, type=kind, default=None, metavar=option.upper(),
                                 help=f"the norm's {option} (unset: the norm's default)")

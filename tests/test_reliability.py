@@ -1,0 +1,285 @@
+"""Reliability: no bad batch poisons a norm, no run record is lost or rewritten, every setting
+is honoured or refused."""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import unnorm
+from plugins.scale import effective_config
+from plugins.timm.trainer import train
+from test_norms import SHAPE, make_sequence, random_affine
+from test_vision import QUICK, ROOT, config, run_script
+
+C = SHAPE[-1]
+STATEFUL = {
+    "un": {"warmup_iters": 4, "outlier_filtration": True, "compensation_start": 6},
+    "mabn": {"warmup_iters": 4, "window_size": 3, "compensation_start": 6},
+    "pn": {"warmup_iters": 4},
+    "pn_ls": {"warmup_iters": 4, "group_num": 2},
+    "bn": {},
+    "prepbn": {"warmup_iters": 3, "decay_iters": 6},
+}
+PAD = torch.zeros(SHAPE[:-1], dtype=torch.bool)
+PAD[1, 3:] = True
+
+
+def build(name):
+    norm = unnorm.build_norm(name, C, **STATEFUL[name])
+    return random_affine(norm) if hasattr(norm, "bias") else norm
+
+
+def train_step(norm, x, dy, pad=PAD):
+    x = x.clone().requires_grad_(True)
+    for p in norm.parameters():
+        p.grad = None
+    y = norm(x, pad)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad.clone() for p in norm.parameters()]
+
+
+def state(norm):
+    return {k: v.clone() for k, v in norm.state_dict().items() if not k.endswith("num_rejected")}
+
+
+def bad_step(norm, kind, x, dy):
+    """One training step that the norm must reject."""
+    if kind == "nan_batch":
+        x = x.clone()
+        x[0, 0, 2] = float("nan")
+    elif kind == "inf_gradient":
+        dy = dy.clone()
+        dy[0, 1, 3] = float("inf")
+    elif kind == "empty_batch":
+        return train_step(norm, x[:0], dy[:0], PAD[:0])
+    elif kind == "all_padding":
+        return train_step(norm, x, dy, torch.ones_like(PAD))
+    return train_step(norm, x, dy)
+
+
+@pytest.mark.parametrize("kind", ["nan_batch", "inf_gradient", "empty_batch", "all_padding"])
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_a_bad_step_changes_no_state_and_the_next_steps_train_as_without_it(name, kind):
+    clean, hit = build(name), build(name)
+    xs, dys = make_sequence(16)
+    for t, (x, dy) in enumerate(zip(xs, dys)):
+        if t == 9:  # after warm-up, with full windows
+            before = state(hit)
+            bad_step(hit, kind, x * 3, dy)
+            after = state(hit)
+            for key in before:
+                assert torch.equal(after[key], before[key]), key
+        want, got = train_step(clean, x, dy), train_step(hit, x, dy)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for key, value in state(clean).items():
+        torch.testing.assert_close(state(hit)[key], value, rtol=0, atol=0)
+    assert int(hit.num_rejected) == 1 and int(clean.num_rejected) == 0
+
+
+def test_rejections_are_counted_per_layer_and_tapped():
+    model = torch.nn.Sequential(build("un"), build("bn"))
+    xs, dys = make_sequence(3)
+    with unnorm.record_statistics(model) as recorder:
+        for t, (x, dy) in enumerate(zip(xs, dys)):
+            x = x.clone().requires_grad_(True)
+            if t == 1:
+                x = x * float("nan")
+            model(x).backward(dy)
+        chunk = recorder.flush()
+    for layer in ("0", "1"):
+        assert chunk[layer]["rejected"].tolist() == [False, True, False]
+    assert [int(m.num_rejected) for m in model] == [1, 1]
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity whose backward returns inf: a loss-scaled gradient that overflowed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def test_an_amp_step_the_grad_scaler_skips_leaves_the_norms_unchanged():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(C, C), build("un"), torch.nn.Linear(C, C),
+                                build("bn"), torch.nn.Linear(C, C), build("prepbn"),
+                                torch.nn.Linear(C, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    norms = [m for m in model if isinstance(m, unnorm.GuardedNorm)]
+    for t, x in enumerate(make_sequence(12)[0]):
+        before = [state(m) for m in norms]
+        weights = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        if t == 8:
+            loss = _InfGradient.apply(loss)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if t == 8:
+            assert scaler.get_scale() < scale  # the scaler saw the overflow and skipped
+            assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+            for norm, saved in zip(norms, before):
+                assert all(torch.equal(state(norm)[k], v) for k, v in saved.items())
+                assert int(norm.num_rejected) == 1
+    assert all(int(n.num_iters) == 11 for n in norms if hasattr(n, "num_iters"))
+
+
+def test_training_steps_read_nothing_back_from_the_device_even_when_rejected(monkeypatch):
+    norms = [build(name) for name in STATEFUL]
+    xs, dys = make_sequence(6)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("device-to-host read in a training step")
+    for method in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, method, refuse)
+    for norm in norms:
+        for t, (x, dy) in enumerate(zip(xs, dys)):
+            bad_step(norm, "nan_batch", x, dy) if t == 3 else train_step(norm, x, dy)
+    monkeypatch.undo()
+    assert all(int(n.num_rejected) == 1 for n in norms)
+
+
+# --- every setting honoured or refused -----------------------------------------------------------
+
+def test_bad_norm_inputs_and_options_are_refused_naming_the_fix():
+    norm = unnorm.build_norm("ln", 4)
+    with pytest.raises(TypeError, match="floating-point.*x.float"):
+        norm(torch.tensor([[1, 2, 3, 4]]))
+    for mask in (torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long)):
+        with pytest.raises(TypeError, match="bool"):
+            unnorm.build_norm("bn", 4)(torch.randn(2, 3, 4), mask)
+    for name in ("ln", "bn", "un", "prepbn"):
+        for eps in (0, -1, float("nan")):
+            with pytest.raises(ValueError, match="eps"):
+                unnorm.build_norm(name, 4, eps=eps)
+    with pytest.raises(ValueError, match="momentum"):
+        unnorm.build_norm("bn", 4, momentum=1.5)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="unknown norm 'foo'"):
+        unnorm.swap_norms(plain, "foo")
+    with pytest.raises(ValueError, match="no option.*windows"):
+        unnorm.swap_norms(plain, "un", windows=3)
+
+
+@pytest.mark.parametrize("name", ["un", "mabn"])
+def test_a_state_dict_of_another_window_size_names_window_size(name):
+    saved = unnorm.build_norm(name, C, window_size=6).state_dict()
+    with pytest.raises(ValueError, match="window_size=6"):
+        unnorm.build_norm(name, C, window_size=4).load_state_dict(saved)
+
+
+def test_checkpoints_from_before_the_rejection_counter_still_load():
+    """State dicts written before ``num_rejected`` existed load (it starts at 0)."""
+    for name in STATEFUL:
+        old = {k: v for k, v in build(name).state_dict().items() if k != "num_rejected"}
+        norm = unnorm.build_norm(name, C, **STATEFUL[name])
+        norm.load_state_dict(old)
+        assert int(norm.num_rejected) == 0
+
+
+def test_scale_cpu_supplies_defaults_only_for_what_the_command_line_left_unset():
+    given = ["+exp=swin_t_un", "scale=cpu", "recipe.lr=1e4", "norm.warmup_iters=7",
+             "model.img_size=40"]
+    cfg = effective_config(config(*given), given)
+    assert cfg.recipe.lr == 1e4 and cfg.norm.warmup_iters == 7 and cfg.model.img_size == 40
+    assert cfg.recipe.batch_size == 64 and cfg.data.name == "digits"  # the cpu defaults
+    unset = effective_config(config("+exp=swin_t_un", "scale=cpu"), ["+exp=swin_t_un", "scale=cpu"])
+    assert unset.recipe.lr == 2e-3 and unset.model.img_size == 32
+
+
+# --- run records ---------------------------------------------------------------------------------
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished")
+    result = train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2"), run)
+    assert result["status"] == "ok" and (run / "previous.pt").exists()
+    return run
+
+
+def test_resuming_or_requeueing_a_finished_run_changes_nothing(finished_run):
+    before = _files(finished_run)
+    proc = run_script("scripts/train.py", "+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2",
+                      f"resume={finished_run}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "has finished (status ok); nothing to do" in proc.stdout
+    again = train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2"), finished_run)  # a requeue
+    assert again == json.loads((finished_run / "result.json").read_text())
+    assert _files(finished_run) == before
+
+
+@pytest.fixture
+def interrupted_run(finished_run, tmp_path):
+    """A copy of the run as if killed after its last checkpoint (no result.json yet)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, data in _files(finished_run).items():
+        if name != "result.json":
+            (run / name).write_bytes(data)
+    return run
+
+
+def test_a_resume_with_other_options_is_refused_and_writes_nothing(interrupted_run):
+    before = _files(interrupted_run)
+    with pytest.raises(ValueError, match=r"norm\.momentum \(0\.9 -> 0\.5\)"):
+        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", "norm.momentum=0.5",
+                     f"resume={interrupted_run}"), interrupted_run)
+    with pytest.raises(ValueError, match="norm.name"):
+        train(config("+exp=swin_t_ln", *QUICK, "recipe.cpu.epochs=2", f"resume={interrupted_run}"),
+              interrupted_run)
+    assert _files(interrupted_run) == before
+
+
+def test_a_damaged_checkpoint_names_the_file_and_the_fallback(interrupted_run):
+    last = interrupted_run / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    before = _files(interrupted_run)
+    with pytest.raises(ValueError, match=rf"{last} is not a readable checkpoint.*previous\.pt"):
+        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", f"resume={interrupted_run}"),
+              interrupted_run)
+    assert _files(interrupted_run) == before
+    (interrupted_run / "previous.pt").replace(last)  # the fix the message names
+    result = train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2",
+                          f"resume={interrupted_run}"), interrupted_run)
+    assert result["status"] == "ok" and result["steps"] == 6
+
+
+def test_the_recorded_config_is_what_ran(tmp_path):
+    proc = run_script("scripts/train.py", "+exp=swin_t_un", *QUICK, "recipe.lr=0.01",
+                      "norm.warmup_iters=2", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert recorded["recipe"]["lr"] == 0.01 and recorded["norm"]["warmup_iters"] == 2
+    assert json.loads((tmp_path / "result.json").read_text())["metrics"]["lr"] < 0.01
+
+
+def test_files_that_are_not_checkpoints_are_refused_naming_the_option(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="init_from: .*notes.txt is not a readable checkpoint"):
+        train(config("+exp=swin_t_un", *QUICK, f"init_from={text}"), tmp_path / "a")
+
+
+def test_the_package_metadata_uses_an_spdx_license():
+    """``project.license`` as a table is what made pip print a deprecation warning."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert isinstance(project["project"]["license"], str)
+    assert any(req.startswith("setuptools>=77") for req in project["build-system"]["requires"])
