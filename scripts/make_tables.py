@@ -20,28 +20,15 @@ from typing import Callable, Optional
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonorm", "BN": "bn",
-                "MABN": "mabn", "PN": "pn", "UN": "un"}
-SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.")
+sys.path.insert(0, str(ROOT))  # analysis/ from a plain checkout
+
+from analysis.runs import (METHOD_NORMS, STABILITY_KEY, changes, ladder, load_runs,  # noqa: E402
+                           method_order, option_value, override_value, setting, where)
+
+SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.",
+                  STABILITY_KEY)
 CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
             "generated shapes), not the paper's dataset or schedule.")
-
-
-def load_runs(root: Path) -> list[dict]:
-    runs = []
-    for path in sorted(root.rglob("result.json")):
-        run = json.loads(path.read_text())
-        run["_path"] = str(path.parent)
-        runs.append(run)
-    return runs
-
-
-def override_value(run: dict, key: str) -> Optional[str]:
-    for item in run.get("overrides", []):
-        name, _, value = item.partition("=")
-        if name.lstrip("+") == key:
-            return value
-    return None
 
 
 def is_default(run: dict) -> bool:
@@ -106,19 +93,20 @@ def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
 
 
 def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
-    """Columns: the swept values; rows: the paper's metrics, then ours (UN runs sweeping key),
-    a row per (task, model, data) in that task's metric."""
+    """Columns: the swept values; rows: the paper's metrics, then ours: UN runs that change
+    nothing but ``key`` (the experiment's own runs count at their configured value), a row
+    per (task, model, data) where ``key`` was swept, in that task's metric."""
     header = [key] + [str(v) for v in values]
     rows = [[name] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
-    swept = [r for r in runs if r.get("norm") == "un" and override_value(r, key) is not None]
-    groups: dict[tuple, list] = {}
-    for run in swept:
-        groups.setdefault((run.get("task", "classification"), run.get("model"), run.get("exp_data")),
-                          []).append(run)
-    for (task, model, data), group in sorted(groups.items()):
-        metric = TASK_METRIC[task]
-        cells = [Cell([r for r in group if _same(override_value(r, key), v)]).text(metric) for v in values]
-        rows.append([f"ours: {model} {data} {metric}"] + cells)
+    unswept = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None
+               and all(item.lstrip("+").startswith(key) for item in changes(r))]
+    swept = {where(r) for r in unswept if override_value(r, key) is not None}
+    for place in sorted(swept):
+        task, model, data = place
+        group = [r for r in unswept if where(r) == place]
+        cells = [Cell([r for r in group if _same(option_value(r, key), v)]).text(TASK_METRIC[task])
+                 for v in values]
+        rows.append([f"ours: {model} {data} {TASK_METRIC[task]}"] + cells)
     return Table(title, header, rows)
 
 
@@ -136,46 +124,85 @@ TASK_METRIC = {"classification": "top1", "translation": "bleu", "detection": "bb
 
 def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
     """Rows: the paper's component experiments; ours: a column per (task, model, data) of UN
-    runs with ``+ablation=un_expN``."""
-    ablated = [r for r in runs if override_value(r, "ablation")]
-    groups = sorted({(r.get("task"), r.get("model"), r.get("exp_data")) for r in ablated})
+    runs with ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default)."""
+    un = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None]
+    groups = sorted({where(r) for r in un if override_value(r, "ablation")})
     header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
               + [f"ours: {model} {data} {TASK_METRIC[task]}" for task, model, data in groups])
     rows = []
     for item in paper_rows:
         row = [str(item[k]) for k in ("exp", "fwd_gm", "bwd_am", "bwd_ema")]
         row += [paper_text(item.get(m)) for m in metrics]
-        for task, model, data in groups:
-            row.append(Cell([r for r in ablated if (r.get("task"), r.get("model"), r.get("exp_data"))
-                             == (task, model, data)
-                             and override_value(r, "ablation") == f"un_exp{item['exp']}"]
-                            ).text(TASK_METRIC[task]))
+        wanted = [] if item["exp"] == 1 else [f"+ablation=un_exp{item['exp']}"]
+        for place in groups:
+            row.append(Cell([r for r in un if where(r) == place and changes(r) == wanted]
+                            ).text(TASK_METRIC[place[0]]))
         rows.append(row)
     return Table(title, header, rows)
 
 
+def stability_tables(runs: list[dict]) -> list[Table]:
+    """The stability map: per model, every setting at each learning-rate multiple, as the
+    collapsed fraction and the mean metric of the runs that did not collapse."""
+    tables = []
+    for (task, model, data), settings in sorted(ladder(runs).items()):
+        multiples = sorted({m for cells in settings.values() for m in cells})
+        rows = [[label] + [Cell(settings[label].get(m, [])).text(TASK_METRIC[task]) for m in multiples]
+                for label in sorted(settings, key=method_order)]
+        tables.append(Table(f"Stability: {model} {data}, {TASK_METRIC[task]} by learning-rate multiple",
+                            ["setting"] + [f"{m:g}x lr" for m in multiples], rows,
+                            ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
+                             "the number is the mean of the others."]))
+    return tables
+
+
+def settings_tables(runs: list[dict]) -> list[Table]:
+    """Every CPU-scale setting (defaults, sweeps, ablations) per model, mean +- std over seeds:
+    the evidence behind the CPU mini-reproduction, in one place."""
+    small = [r for r in runs if r.get("scale", "full") != "full"
+             and override_value(r, STABILITY_KEY) is None]
+    tables = []
+    for task, model, data in sorted({where(r) for r in small}):
+        group = [r for r in small if where(r) == (task, model, data)]
+        labels = sorted({setting(r) for r in group}, key=method_order)
+        rows = [[label, Cell([r for r in group if setting(r) == label]).text(TASK_METRIC[task])]
+                for label in labels]
+        tables.append(Table(f"CPU-scale settings: {model} {data}", ["setting", TASK_METRIC[task]], rows))
+    return tables
+
+
+FOLDED_VARIANTS = {"un_folded": "UN", "prepbn_folded": "PRepBN", "dyt": "DyT"}
+
+
 def efficiency_table(paper: dict, benchmarks: Path) -> Table:
-    header = ["setting", "LN MB", "UN MB", "mem reduction", "LN img/s", "UN img/s", "speed-up"]
+    """The paper's LN vs folded UN, and ours for each folded norm (the rivals beside UN)."""
+    header = ["setting", "norm", "LN MB", "norm MB", "mem reduction", "LN img/s", "norm img/s",
+              "speed-up"]
     rows = []
-    for setting, values in paper.items():
-        rows.append([f"paper {setting}", str(values["LN"]["mem_mb"]), str(values["UN"]["mem_mb"]),
-                     f"{values['mem_reduction']:.1%}", str(values["LN"]["tput"]),
-                     str(values["UN"]["tput"]), f"{values['speedup']:.1%}"])
+    for name, values in paper.items():
+        rows.append([f"paper {name}", "UN folded", str(values["LN"]["mem_mb"]),
+                     str(values["UN"]["mem_mb"]), f"{values['mem_reduction']:.1%}",
+                     str(values["LN"]["tput"]), str(values["UN"]["tput"]), f"{values['speedup']:.1%}"])
     for path in sorted(benchmarks.glob("inference_*.json")):
         bench = json.loads(path.read_text())
         by = {(r["model"], r["variant"], r["mode"]): r for r in bench["inference"]}
         for (model, variant, mode), ln in sorted(by.items()):
-            if variant != "ln" or (model, "un_folded", mode) not in by:
+            if variant != "ln":
                 continue
-            un = by[(model, "un_folded", mode)]
-            mem = (ln["peak_mem_mb"], un["peak_mem_mb"])
-            rows.append([f"ours {model} {mode} bs{ln.get('batch', bench['batch'])} ({bench['device']})",
-                         f"{mem[0]:.0f}" if mem[0] else "—", f"{mem[1]:.0f}" if mem[1] else "—",
-                         f"{1 - mem[1] / mem[0]:.1%}" if all(mem) else "—",
-                         _rate(ln["images_per_s"]), _rate(un["images_per_s"]),
-                         f"{un['images_per_s'] / ln['images_per_s'] - 1:.1%}"])
-    return Table("Table 8: inference efficiency, LN vs folded UN (Swin-T; Mask R-CNN Swin-T)", header, rows,
-                 ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole process."])
+            for folded, method in FOLDED_VARIANTS.items():
+                if (model, folded, mode) not in by:
+                    continue
+                other = by[(model, folded, mode)]
+                mem = (ln["peak_mem_mb"], other["peak_mem_mb"])
+                rows.append([f"ours {model} {mode} bs{ln.get('batch', bench['batch'])} ({bench['device']})",
+                             f"{method} folded", f"{mem[0]:.0f}" if mem[0] else "—",
+                             f"{mem[1]:.0f}" if mem[1] else "—",
+                             f"{1 - mem[1] / mem[0]:.1%}" if all(mem) else "—",
+                             _rate(ln["images_per_s"]), _rate(other["images_per_s"]),
+                             f"{other['images_per_s'] / ln['images_per_s'] - 1:.1%}"])
+    return Table("Table 8: inference efficiency, LN vs folded norms (Swin-T; Mask R-CNN Swin-T)",
+                 header, rows, ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole "
+                                "process. DyT folded keeps its elementwise tanh."])
 
 
 def _rate(images_per_s: float) -> str:
@@ -219,7 +246,7 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
                     {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
                     runs, "norm.momentum"),
     ]
-    return tables
+    return tables + stability_tables(runs) + settings_tables(runs)
 
 
 def _coco_metric(column: str) -> str:

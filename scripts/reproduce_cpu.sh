@@ -1,34 +1,105 @@
 #!/usr/bin/env bash
-# CPU-scale mini-reproduction on the project's small data (about 40 min on 2 cores): every
-# norm x both vision models on the embedded digits, UN's window-size and momentum sweeps,
-# Mask R-CNN with LN and UN on generated shapes, then the tables and figures.
-# Runs (with checkpoints and statistics) go to $OUT; their small files are copied to
-# results/runs/cpu, which scripts/make_tables.py reads.
+# The CPU-scale mini-reproduction on the project's small data, three seeds per cell:
+#   main        every norm x {Swin-T, T2T-ViT} on the embedded digits
+#   translation every norm on the synthetic corpus (fairseq)
+#   detection   Mask R-CNN with LN, BN and UN on generated shapes
+#   window_size, momentum, components   UN's sweeps on Swin-T (Tables 6, 10, 5)
+#   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
+#   old_rule    UN, MABN, PN, PN_LS under the previous CPU rule (warm-up 40, compensation 1000)
+#   stability   every norm (and UN without outlier filtration) on T2T-ViT at 3x, 10x and 30x
+#               the recipe's learning rate, two seeds (1x: the main runs)
+# then the tables, the stability figure, PNAC/statistics figures and CKA.
+#
+# Runs go to $OUT (checkpoints, statistics, logs); their records (result.json, config.yaml,
+# metrics.jsonl) are copied to results/runs/cpu, which scripts/make_tables.py reads. Runs
+# that already have a result are skipped, so an interrupted reproduction continues where it
+# stopped. $JOBS runs at a time (default: one per core), one thread each.
+#   bash scripts/reproduce_cpu.sh            # everything
+#   bash scripts/reproduce_cpu.sh --list     # the runs, one per line: <group>/<name> <overrides>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/cpu_repro}
-COMMON=(scale=cpu logger=none record_statistics=true)
-if [ "${SKIP_TRAINING:-0}" != 1 ]; then
-  exps=$(for m in swin_t t2t_vit_14; do for n in ln rms bn mabn pn pn_ls nonorm un; do
-    printf "%s_%s," "$m" "$n"; done; done)
-  $PY scripts/train.py -m "+exp=${exps%,}" "${COMMON[@]}" hydra.sweep.dir="$OUT/main"
-  $PY scripts/train.py -m +exp=swin_t_un +sweep=window_size "${COMMON[@]}" hydra.sweep.dir="$OUT/window_size"
-  $PY scripts/train.py -m +exp=swin_t_un +sweep=momentum "${COMMON[@]}" hydra.sweep.dir="$OUT/momentum"
-  $PY scripts/train.py -m +exp=mask_rcnn_swin_t_ln,mask_rcnn_swin_t_un "${COMMON[@]}" \
-    hydra.sweep.dir="$OUT/detection"
+JOBS=${JOBS:-$(nproc)}
+NORMS="ln rms bn mabn pn pn_ls nonorm un dyt prepbn"
+ANALYSED="swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln"  # statistics recorded (seed 0)
+
+runs() {  # one line per run: <group>/<name> <overrides...>
+  for seed in 0 1 2; do  # detection first: the longest runs
+    for norm in ln bn un; do
+      echo "detection/mask_rcnn_swin_t_${norm}-s$seed +exp=mask_rcnn_swin_t_$norm seed=$seed"; done
+  done
+  for seed in 0 1 2; do
+    for model in swin_t t2t_vit_14; do for norm in $NORMS; do
+      extra=""
+      [[ $seed == 0 && " $ANALYSED " == *" ${model}_$norm "* ]] && extra="record_statistics=true"
+      echo "main/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed $extra"; done; done
+    for norm in $NORMS; do
+      echo "translation/iwslt14_$norm-s$seed +exp=iwslt14_$norm seed=$seed"; done
+    for m in 2 6 8 10; do
+      echo "window_size/swin_t_un-M$m-s$seed +exp=swin_t_un norm.window_size=$m seed=$seed"; done
+    for a in 0.8 0.7 0.6; do
+      echo "momentum/swin_t_un-alpha$a-s$seed +exp=swin_t_un norm.momentum=$a seed=$seed"; done
+    for e in 2 3 4 5; do
+      echo "components/swin_t_un-exp$e-s$seed +exp=swin_t_un +ablation=un_exp$e seed=$seed"; done
+    for change in norm.fwd_gm=false norm.bwd_am=false norm.bwd_ema=false \
+                  norm.outlier_filtration=false norm.grad_compensation=false norm.warmup_iters=40 \
+                  norm.warmup_iters=100 norm.window_size=2 norm.window_size=8 norm.momentum=0.5 \
+                  norm.momentum=0.99; do
+      label=${change#norm.}
+      echo "ablation/t2t_vit_14_un-${label//=/-}-s$seed +exp=t2t_vit_14_un $change seed=$seed"; done
+    for model in swin_t t2t_vit_14; do
+      for norm in un mabn; do
+        echo "old_rule/${model}_$norm-s$seed +exp=${model}_$norm norm.warmup_iters=40 norm.compensation_start=1000 seed=$seed"; done
+      for norm in pn pn_ls; do
+        echo "old_rule/${model}_$norm-s$seed +exp=${model}_$norm norm.warmup_iters=40 seed=$seed"; done
+    done
+  done
+  for seed in 0 1; do for lr in 3 10 30; do
+    for norm in $NORMS; do
+      echo "stability/t2t_vit_14_$norm-lr${lr}x-s$seed +exp=t2t_vit_14_$norm lr_multiple=$lr seed=$seed"; done
+    echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
+  done; done
+}
+
+run_one() {  # <group>/<name> <overrides...>
+  local name=$1; shift
+  [[ -f "$OUT/$name/result.json" ]] && return 0
+  mkdir -p "$OUT/$(dirname "$name")"
+  if ! "$PY" scripts/train.py "$@" scale=cpu logger=none "hydra.run.dir=$OUT/$name" \
+      > "$OUT/$name.log" 2>&1; then
+    echo "FAILED to run $name (see $OUT/$name.log)" >&2
+    return 1
+  fi
+  echo "done $name"
+}
+export -f run_one
+export PY OUT
+
+if [[ "${1:-}" == --list ]]; then
+  runs
+  exit 0
 fi
+
+if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
+  threads=$(( JOBS > 1 ? 1 : $(nproc) ))
+  runs | OMP_NUM_THREADS=$threads xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _
+fi
+
 rm -rf results/runs/cpu
-for run in "$OUT"/*/*/; do
+for result in "$OUT"/*/*/result.json; do
+  run=$(dirname "$result")
   dest="results/runs/cpu/$(basename "$(dirname "$run")")/$(basename "$run")"
   mkdir -p "$dest"
-  cp "$run"/result.json "$run"/config.yaml "$run"/metrics.jsonl "$dest"/
+  cp "$run"/result.json "$run"/config.yaml "$dest"/
+  [[ -f "$run/metrics.jsonl" ]] && cp "$run"/metrics.jsonl "$dest"/  # a run that collapsed in epoch 1 has none
 done
-$PY scripts/make_tables.py
-for exp in swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln; do
-  $PY scripts/analyze_run.py "$(ls -d "$OUT"/main/*_"$exp"-cpu)" --out "results/analysis/$exp-cpu"
+"$PY" scripts/make_tables.py
+"$PY" -m analysis.stability
+for exp in $ANALYSED; do
+  "$PY" scripts/analyze_run.py "$OUT/main/$exp-s0" --out "results/analysis/$exp-cpu"
 done
-$PY scripts/cka.py "$(ls -d "$OUT"/main/*_t2t_vit_14_ln-cpu)" "$(ls -d "$OUT"/main/*_t2t_vit_14_un-cpu)" \
+"$PY" scripts/cka.py "$OUT/main/t2t_vit_14_ln-s0" "$OUT/main/t2t_vit_14_un-s0" \
   --out results/analysis/cka_t2t_vit_14_ln_vs_un-cpu
-$PY scripts/cka.py "$(ls -d "$OUT"/main/*_t2t_vit_14_ln-cpu)" "$(ls -d "$OUT"/main/*_t2t_vit_14_bn-cpu)" \
+"$PY" scripts/cka.py "$OUT/main/t2t_vit_14_ln-s0" "$OUT/main/t2t_vit_14_bn-s0" \
   --out results/analysis/cka_t2t_vit_14_ln_vs_bn-cpu

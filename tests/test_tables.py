@@ -76,6 +76,64 @@ def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     assert window[1:] == ["42.0 (n=1)", "—", "—", "—", "—"]
 
 
+def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
+    """A run of the experiment as configured is the sweep's point at its configured value
+    (and Exp1 of the component ablation); runs that change anything else are left out."""
+    runs = tmp_path / "runs"
+    options = {"window_size": 4, "momentum": 0.9}
+    for seed in range(3):
+        write_run(runs, f"un{seed}", seed=seed, norm_options=options, metrics={"top1": 80.0 + seed})
+    write_run(runs, "un_m2", overrides=["norm.window_size=2"], norm_options=options,
+              metrics={"top1": 70.0})
+    write_run(runs, "un_exp4", overrides=["+ablation=un_exp4"], norm_options=options,
+              metrics={"top1": 60.0})
+    write_run(runs, "un_m2_lr", overrides=["norm.window_size=2", "recipe.lr=1"],
+              norm_options=options, metrics={"top1": 1.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
+    assert window[1:] == ["70.0 (n=1)", "81.0 ± 1.0 (n=3)", "—", "—", "—"]
+    assert table_row(markdown, "Table 5", "1")[-1] == "81.0 ± 1.0 (n=3)"
+    assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1)"
+
+
+def test_stability_map_table_and_figure(tmp_path):
+    runs = tmp_path / "runs"
+    t2t = {"model": "t2t_vit_14", "exp_data": "digits", "scale": "cpu"}
+    for seed in range(2):
+        write_run(runs, f"mabn1_{seed}", norm="mabn", seed=seed, **t2t, metrics={"top1": 80.0})
+        write_run(runs, f"mabn30_{seed}", norm="mabn", seed=seed, **t2t,
+                  overrides=["lr_multiple=30"], status="FAIL", fail_step=40 + seed)
+        write_run(runs, f"mabn3_{seed}", norm="mabn", seed=seed, **t2t, overrides=["lr_multiple=3"],
+                  metrics={"top1": 70.0 + 2 * seed})
+    write_run(runs, "un_noof3", seed=0, **t2t, overrides=["lr_multiple=3", "norm.outlier_filtration=false"],
+              status="FAIL", fail_step=12)
+    markdown = make_tables(runs, tmp_path / "out")
+    title = "Stability: t2t_vit_14 digits"
+    assert table_row(markdown, title, "setting")[1:] == ["1x lr", "3x lr", "30x lr"]
+    assert table_row(markdown, title, "MABN")[1:] == ["80.0 ± 0.0 (n=2)†", "71.0 ± 1.4 (n=2)†",
+                                                      "FAIL 2/2 (step 40, 41)†"]
+    assert table_row(markdown, title, "UN norm.outlier_filtration=false")[1:] == [
+        "—", "FAIL 1/1 (step 12)†", "—"]
+    settings = table_row(markdown, "CPU-scale settings: t2t_vit_14 digits", "MABN")
+    assert settings[1] == "80.0 ± 0.0 (n=2)†"  # the ladder's runs are in the stability table only
+    proc = subprocess.run([sys.executable, "-m", "analysis.stability", "--runs", str(runs),
+                           "--out", str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    points = json.loads((tmp_path / "fig" / "t2t_vit_14_digits.json").read_text())
+    assert points["MABN"]["30"] == {"ok": [], "fail": [40, 41]} and points["MABN"]["1"]["ok"] == [80.0, 80.0]
+    assert (tmp_path / "fig" / "t2t_vit_14_digits.png").stat().st_size > 10_000
+
+
+def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
+    """``make_tables`` on the committed runs gives the committed tables: every number in them
+    can be traced to a committed result.json."""
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("tables.md", "tables.tex"):
+        assert (tmp_path / name).read_bytes() == (ROOT / "results" / "tables" / name).read_bytes(), name
+
+
 def test_paper_numbers_are_copied_beside_ours(tmp_path):
     markdown = make_tables(tmp_path / "empty", tmp_path / "out")
     assert table_row(markdown, "Table 1", "NoNorm")[1:] == ["FAIL / —", "32.8 / —"]

@@ -1,0 +1,83 @@
+"""The stability map as a figure: the final metric against the learning-rate multiple, one line
+per setting, collapsed runs marked.
+
+    python -m analysis.stability [--runs results/runs] [--out results/analysis/stability]
+
+Reads the runs of the learning-rate ladder (``+sweep=stability``: ``lr_multiple`` set; the
+same settings' runs without it count at 1x) and writes, per model, ``<model>_<data>.png`` and
+``.json`` (per setting and multiple: the metric of every run that finished and the step of
+every collapse).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from .runs import STABILITY_KEY, ladder, load_runs, method_order
+
+METRICS = {"classification": "top1", "translation": "bleu", "detection": "bbox_AP"}
+
+
+def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
+    """``{"ok": [metric of each run that finished], "fail": [step of each collapse]}``."""
+    return {"ok": [r["metrics"][metric] for r in runs if r["status"] != "FAIL"],
+            "fail": [r["fail_step"] for r in runs if r["status"] == "FAIL"]}
+
+
+def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, metric: str,
+                   path: Path) -> Path:
+    """Mean metric of the runs that finished (line) per multiple; an x at the bottom marks
+    each multiple where runs collapsed, labelled with the collapsed fraction."""
+    fig = Figure(figsize=(7.5, 4.8))
+    ax = fig.add_subplot()
+    colours = [f"C{i}" for i in range(10)]
+    for index, label in enumerate(sorted(settings, key=method_order)):
+        colour = colours[index % len(colours)]
+        cells = {m: outcomes(runs, metric) for m, runs in settings[label].items()}
+        multiples = sorted(cells)
+        finished = [(m, statistics.mean(cells[m]["ok"])) for m in multiples if cells[m]["ok"]]
+        if finished:
+            ax.plot(*zip(*finished), marker="o", color=colour, label=label)
+        for m in multiples:
+            failed, total = len(cells[m]["fail"]), len(cells[m]["fail"]) + len(cells[m]["ok"])
+            if failed:
+                ax.scatter([m], [0], marker="x", s=70, color=colour, zorder=3)
+                ax.annotate(f"{failed}/{total}", (m, 0), textcoords="offset points",
+                            xytext=(4, 4 + 9 * index), fontsize=7, color=colour)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate, multiple of the recipe's")
+    ax.set_ylabel(f"{metric} (mean of the runs that finished)")
+    ax.set_title(f"{title}\nx at 0: collapsed runs (FAIL), with the fraction of seeds", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    return path
+
+
+def main(argv=None) -> None:
+    root = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=root / "results" / "runs")
+    parser.add_argument("--out", type=Path, default=root / "results" / "analysis" / "stability")
+    args = parser.parse_args(argv)
+    points = ladder(load_runs(args.runs))
+    if not points:
+        raise SystemExit(f"no runs with {STABILITY_KEY} under {args.runs}: run the ladder first "
+                         "(python scripts/train.py +exp=<exp> scale=cpu +sweep=stability)")
+    for (task, model, data), settings in sorted(points.items()):
+        name = f"{model}_{data}"
+        plot_stability(settings, f"Stability: {model} on {data}", METRICS[task], args.out / f"{name}.png")
+        serialisable = {label: {f"{m:g}": outcomes(settings[label][m], METRICS[task])
+                                for m in sorted(settings[label])}
+                        for label in sorted(settings, key=method_order)}
+        (args.out / f"{name}.json").write_text(json.dumps(serialisable, indent=2) + "\n")
+        print(f"wrote {args.out / name}.png and .json")
+
+
+if __name__ == "__main__":
+    main()
