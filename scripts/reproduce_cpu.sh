@@ -33,7 +33,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
     for model in swin_t t2t_vit_14; do for norm in $NORMS; do
       extra=""
       [[ $seed == 0 && " $ANALYSED " == *" ${model}_$norm "* ]] && extra="record_statistics=true"
-      echo "main/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed $extra"; done; done
+      echo "main/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed${extra:+ $extra}"; done; done
     for norm in $NORMS; do
       echo "translation/iwslt14_$norm-s$seed +exp=iwslt14_$norm seed=$seed"; done
     for m in 2 6 8 10; do
@@ -83,7 +83,7 @@ fi
 
 if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   threads=$(( JOBS > 1 ? 1 : $(nproc) ))
-  runs | OMP_NUM_THREADS=$threads xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _
+  runs | OMP_NUM_THREADS=$threads xargs -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
 fi
 
 rm -rf results/runs/cpu
