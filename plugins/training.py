@@ -12,10 +12,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
+from plugins.norms import fit_norm_to_run
 from plugins.runlog import RunDirectory, save_atomic
 from plugins.scale import effective_config
 
@@ -176,6 +178,20 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dic
         return train_fn(cfg, Path(out_dir), world, meta)
     finally:
         world.close()
+
+
+def begin_run(cfg, out_dir: Path, world: Distributed, total_steps: int,
+              checkpoint: str) -> tuple[DictConfig, RunDirectory, Optional[dict]]:
+    """Fit the norm to the run's length, then start the run or check its resume (nothing is
+    written for a resume): ``(cfg, run directory, stored result of a run that has ended)``.
+    Seeds the RNGs of a run that goes on."""
+    cfg = fit_norm_to_run(cfg, total_steps)
+    run = RunDirectory(out_dir, writer=world.main)
+    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
+                         resuming=(out_dir / checkpoint).exists())
+    if finished is None:
+        seed_everything(cfg.seed + world.rank)
+    return cfg, run, finished
 
 
 def epoch_plan(train_set, batch_size: int, max_steps: Optional[int], world: Distributed, seed: int):

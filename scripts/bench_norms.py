@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 import unnorm
+from benchmark import compile_side_by_side, machine, synchronize  # scripts/: shared by the benchmarks
 
 SHAPES = {"tokens": (64, 196, 384), "swin_stage1": (8, 56, 56, 96)}
 # past every warm-up: what a long training run spends its steps in
@@ -32,27 +32,31 @@ STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_st
           "prepbn": {"warmup_iters": 0, "decay_iters": 10 ** 9}}  # mid hand-over: LN and BN
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def runners(name: str, channels: int, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
-    """``(train_step, inference)`` closures for one norm in one mode."""
-    train_norm = unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {}))
-    eval_norm = unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {})).eval()
-    train_fn, eval_fn = train_norm, eval_norm
-    if compiled:
-        train_fn, eval_fn = torch.compile(train_norm), torch.compile(eval_norm)
+def closures(train_norm, eval_norm, x: torch.Tensor, dy: torch.Tensor):
+    """``(train_step, inference)``: forward and backward to the input and the parameters;
+    an inference forward."""
     inputs = [x, *train_norm.parameters()]
 
     def train_step():
-        torch.autograd.grad(train_fn(x), inputs, dy)
+        torch.autograd.grad(train_norm(x), inputs, dy)
 
     @torch.inference_mode()
     def inference():
-        eval_fn(x)
+        eval_norm(x)
     return train_step, inference
+
+
+def runners(name: str, channels: int, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
+    """``(train_step, inference)`` of one of our norms in one mode; ``torch_ln`` is
+    ``torch.nn.LayerNorm`` itself (ours wraps it), the baseline users know."""
+    def build():
+        if name == "torch_ln":
+            return torch.nn.LayerNorm(channels, device=x.device)
+        return unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {}))
+    train_norm, eval_norm = build(), build().eval()
+    if compiled:
+        train_norm, eval_norm = torch.compile(train_norm), torch.compile(eval_norm)
+    return closures(train_norm, eval_norm, x, dy)
 
 
 def measure(shape, norms, args, device) -> list[dict]:
@@ -65,7 +69,7 @@ def measure(shape, norms, args, device) -> list[dict]:
             train_step, inference = runners(name, shape[-1], x, dy, mode == "compiled")
             steps[(name, mode, "train")], steps[(name, mode, "infer")] = train_step, inference
     steps[("torch_ln", "eager", "train")], steps[("torch_ln", "eager", "infer")] = \
-        _torch_layer_norm(shape[-1], x, dy)
+        runners("torch_ln", shape[-1], x, dy, compiled=False)
     print(f"{shape}: warming up {len(steps)} runners (compiling)...", flush=True)
     for fn in steps.values():
         for _ in range(args.warmup):
@@ -75,10 +79,10 @@ def measure(shape, norms, args, device) -> list[dict]:
     for _ in range(args.rounds):
         random.shuffle(order)
         for key in order:
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             steps[key]()
-            _sync(device)
+            synchronize(device)
             times[key].append(time.perf_counter() - start)
     median = {key: statistics.median(values) for key, values in times.items()}
     rows = []
@@ -89,21 +93,6 @@ def measure(shape, norms, args, device) -> list[dict]:
                      "ms": 1e3 * seconds, "vs_ln_eager": seconds / eager_ln,
                      "vs_ln_compiled": seconds / compiled_ln, "vs_fastest_ln": seconds / fastest})
     return rows
-
-
-def _torch_layer_norm(channels, x, dy):
-    """torch.nn.LayerNorm itself (ours wraps it), eager: the baseline users know."""
-    train_norm = torch.nn.LayerNorm(channels, device=x.device)
-    eval_norm = torch.nn.LayerNorm(channels, device=x.device).eval()
-    inputs = [x, *train_norm.parameters()]
-
-    def train_step():
-        torch.autograd.grad(train_norm(x), inputs, dy)
-
-    @torch.inference_mode()
-    def inference():
-        eval_norm(x)
-    return train_step, inference
 
 
 def report(rows) -> str:
@@ -117,18 +106,6 @@ def report(rows) -> str:
         lines.append(f"| {'x'.join(map(str, shape))} | {name} | {mode} | {train['ms']:.2f} | "
                      f"{train['vs_fastest_ln']:.2f} | {infer['ms']:.2f} | {infer['vs_fastest_ln']:.2f} |")
     return "\n".join(lines)
-
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {torch.get_num_threads()} threads"
 
 
 def main() -> None:
@@ -145,6 +122,7 @@ def main() -> None:
     if "ln" not in args.norms:
         args.norms = ["ln", *args.norms]
     device = torch.device(args.device)
+    compile_side_by_side()
     rows = [row for shape in args.shapes for row in measure(SHAPES[shape], args.norms, args, device)]
     table = report(rows)
     print(table)

@@ -1,11 +1,12 @@
-"""Fold a trained model's offline norms into its linear layers for inference (paper Alg. 1).
+"""Fold a trained model's offline norms (and DyT's affine) into its linear layers (paper Alg. 1).
 
     python scripts/fold.py runs/swin_t_un-cpu/<time>            # writes folded.pt beside it
     python scripts/fold.py runs/.../last.pt --ema --out swin_un_folded.pt
     python scripts/fold.py runs/mask_rcnn_swin_t_un-cpu/<time>  # a detector's Swin backbone
 
 Every norm becomes part of the linear layer that reads it (qkv, fc1, patch-merging reduction,
-head; a detector's FPN laterals) or, where none does directly, a frozen per-channel affine.
+head; a detector's FPN laterals) or, where none does directly, a frozen per-channel affine
+(a DyT there stays whole; folded elsewhere, it leaves its elementwise tanh).
 The script checks that the folded model's eval outputs (a detector's FPN features) match the
 original on random inputs and prints the error.
 """
@@ -59,9 +60,9 @@ def main() -> None:
         sys.exit(f"no checkpoint at {path}: pass a run directory or its last.pt")
     saved = torch.load(path, map_location="cpu", weights_only=False)
     cfg = OmegaConf.create(saved["config"])
-    if not unnorm.is_offline(cfg.norm.name):
-        sys.exit(f"{cfg.norm.name} is an online norm: nothing to fold (offline: "
-                 f"{[n for n in unnorm.available_norms() if unnorm.is_offline(n)]})")
+    if not unnorm.is_foldable(cfg.norm.name):
+        sys.exit(f"{cfg.norm.name} is an online norm: nothing to fold (foldable: "
+                 f"{[n for n in unnorm.available_norms() if unnorm.is_foldable(n)]})")
     weights = saved["model_ema"] if args.ema else saved["model"]
     if weights is None:
         sys.exit("this run kept no EMA weights; drop --ema")
@@ -81,7 +82,7 @@ def main() -> None:
     out = args.out or path.with_name("folded.pt")
     torch.save({"model": model.state_dict(), "config": saved["config"], "fold": done}, out)
     print(f"folded {done['folded']} norms into linear layers, {done['affine']} into frozen "
-          f"affines; max relative output change {error:.2e}; wrote {out}")
+          f"affines, kept {done['kept']} whole; max relative output change {error:.2e}; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU-scale mini-reproduction on the project's small data, three seeds per cell:
 #   main        every norm x {Swin-T, T2T-ViT} on the embedded digits
-#   translation every norm on the synthetic corpus (fairseq)
+#   translation every norm on the synthetic corpus (fairseq); UN with the pad mask, and LN
+#               and DyT trained three times as long (probes of UN's and DyT's deficits)
 #   detection   Mask R-CNN with LN, BN and UN on generated shapes
 #   window_size, momentum, components   UN's sweeps on Swin-T (Tables 6, 10, 5)
 #   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
@@ -36,6 +37,9 @@ runs() {  # one line per run: <group>/<name> <overrides...>
       echo "main/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed${extra:+ $extra}"; done; done
     for norm in $NORMS; do
       echo "translation/iwslt14_$norm-s$seed +exp=iwslt14_$norm seed=$seed"; done
+    echo "translation/iwslt14_un-padmask-s$seed +exp=iwslt14_un model.norm_pad_mask=true seed=$seed"
+    for norm in ln dyt; do
+      echo "translation/iwslt14_$norm-3x-s$seed +exp=iwslt14_$norm recipe.train.max_update=1008 recipe.train.max_epoch=24 seed=$seed"; done
     for m in 2 6 8 10; do
       echo "window_size/swin_t_un-M$m-s$seed +exp=swin_t_un norm.window_size=$m seed=$seed"; done
     for a in 0.8 0.7 0.6; do
@@ -98,6 +102,9 @@ done
 "$PY" -m analysis.stability
 for exp in $ANALYSED; do
   "$PY" scripts/analyze_run.py "$OUT/main/$exp-s0" --out "results/analysis/$exp-cpu"
+done
+for exp in swin_t_un t2t_vit_14_un; do
+  "$PY" -m analysis.estimates "$OUT/main/$exp-s0" --out "results/analysis/estimates_$exp-cpu"
 done
 "$PY" scripts/cka.py "$OUT/main/t2t_vit_14_ln-s0" "$OUT/main/t2t_vit_14_un-s0" \
   --out results/analysis/cka_t2t_vit_14_ln_vs_un-cpu

@@ -159,3 +159,17 @@ def test_fold_norms_leaves_a_dyt_without_consumer_whole():
     torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="online"):
         unnorm.to_affine(unnorm.build_norm("dyt", C).eval())
+
+
+@pytest.mark.parametrize("name, options", [("dyt", {}), ("prepbn", {"decay_iters": 10})])
+def test_swap_norms_puts_the_rivals_in_place_of_layer_norms(name, options):
+    model = torch.nn.Sequential(torch.nn.LayerNorm(C), torch.nn.Linear(C, C), torch.nn.LayerNorm(C))
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 2)
+        model[2].bias.uniform_(-1, 1)
+    weights = [model[i].weight.clone() for i in (0, 2)], [model[i].bias.clone() for i in (0, 2)]
+    assert unnorm.swap_norms(model, name, **options) == 2
+    for index, weight, bias in zip((0, 2), *weights):
+        assert type(model[index]) is type(unnorm.build_norm(name, C, **options))
+        torch.testing.assert_close(model[index].weight, weight)  # PRepBN: its LayerNorm's affine
+        torch.testing.assert_close(model[index].bias, bias)

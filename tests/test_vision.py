@@ -208,7 +208,7 @@ def test_folded_swin_with_padded_windows_matches_the_original(norm):
         before = model(x)
         done = fold_model(model)
         after = model(x)
-    assert done == {"folded": len(plan) - 3, "affine": 3}  # patch_embed + the two padded blocks
+    assert done == {"folded": len(plan) - 3, "affine": 3, "kept": 0}  # patch_embed + the two padded blocks
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
     assert ((after - before).abs().max() / before.abs().max()) < 1e-4
 
@@ -221,21 +221,24 @@ def test_folded_t2t_vit_matches_the_original():
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-        assert fold_model(model) == {"folded": 13, "affine": 0}
+        assert fold_model(model) == {"folded": 13, "affine": 0, "kept": 0}
         after = model(x)
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
     assert ((after - before).abs().max() / before.abs().max()) < 1e-4
 
 
-def test_fold_script_writes_a_loadable_folded_checkpoint(tmp_path):
-    train(config("+exp=swin_t_un", *QUICK), tmp_path)
+@pytest.mark.parametrize("norm, summary, left", [
+    ("un", "20 norms into linear layers, 1 into frozen affines, kept 0 whole", ()),
+    ("dyt", "20 norms into linear layers, 0 into frozen affines, kept 1 whole", (unnorm.DynamicTanh,))])
+def test_fold_script_writes_a_loadable_folded_checkpoint(norm, summary, left, tmp_path):
+    train(config(f"+exp=swin_t_{norm}", *QUICK), tmp_path)
     proc = run_script("scripts/fold.py", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "folded 20 norms into linear layers, 1 into frozen affines" in proc.stdout
+    assert f"folded {summary}" in proc.stdout
     sys.path.insert(0, str(ROOT / "scripts"))
     from fold import load_folded
 
     folded = load_folded(tmp_path / "folded.pt")
-    assert not any(isinstance(m, unnorm.ChannelNorm) for m in folded.modules())
+    assert [type(m) for m in folded.modules() if isinstance(m, unnorm.ChannelNorm)] == list(left)
     proc = run_script("scripts/fold.py", str(tmp_path / "nowhere"))
     assert proc.returncode != 0 and "no checkpoint" in proc.stderr

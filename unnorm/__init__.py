@@ -12,7 +12,8 @@ from .fold import ChannelAffine, FoldedNorm, fold_into_linear, fold_norms, to_af
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
-from .registry import available_norms, build_norm, is_offline, norm_layer, norm_options
+from .registry import (available_norms, build_norm, is_foldable, is_offline, norm_layer,
+                       norm_options)
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
 from .swap import replace_module, swap_norms
@@ -29,7 +30,8 @@ def reset_steps(model) -> int:
 
 
 __all__ = [
-    "available_norms", "build_norm", "is_offline", "norm_layer", "norm_options", "swap_norms",
+    "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "norm_options",
+    "swap_norms",
     "fold_into_linear", "fold_norms", "to_affine", "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",

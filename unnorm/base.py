@@ -107,13 +107,13 @@ class OfflineNorm(ChannelNorm):
 class GuardedNorm(OfflineNorm):
     """An offline norm whose training steps update running state, guarded against bad batches.
 
-    A training step computes its new state (``_step_state`` buffers and counters) as
-    candidates and commits them when the step's gradient reaches the norm, if the step is
-    clean: its batch had a valid row and a finite statistic, and the gradient's statistic is
-    finite. A *rejected* step (an empty or all-padding batch, a NaN batch, an fp16 overflow
-    that a GradScaler then skips) leaves every buffer as it was, so the next clean step
-    trains as if it had never come; ``num_rejected`` counts such steps. A training forward
-    that builds no graph (no_grad, frozen weights) commits at once. Every decision is a
+    A training step computes its new state (buffers and counters) as candidates and commits
+    them when the step's gradient reaches the norm, if the step is clean: its batch had a
+    valid row and a finite statistic, and the gradient's statistic is finite. A *rejected*
+    step (an empty or all-padding batch, a NaN batch, an fp16 overflow that a GradScaler then
+    skips) leaves every buffer as it was, so the next clean step trains as if it had never
+    come; ``num_rejected`` counts such steps. A training forward that builds no graph
+    (no_grad, frozen weights) commits at once. Every decision is a
     device-side ``torch.where``: no host read, no Python branch on data.
 
     Committing in the backward also keeps compiled training exact: a buffer that the forward
@@ -237,7 +237,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def row_count(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
-    """The number of valid rows, as a float32 ``(1,)`` tensor on the rows' device."""
+    """The number of valid rows, as a float ``(1,)`` tensor on the rows' device."""
     if valid is None:
         return torch.ones(1, device=rows.device).mul_(rows.shape[0])
     return valid.float().sum().reshape(1)
@@ -276,7 +276,7 @@ def channel_sum(rows: torch.Tensor) -> torch.Tensor:
 def channel_sum_sq(rows: torch.Tensor, valid: Optional[torch.Tensor],
                    sync: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel sum of x^2 over the valid rows (of every replica with ``sync``) and their
-    count, in float32."""
+    count, in float32 (float64 for float64 rows)."""
     rows = upcast(rows)
     if valid is not None:
         rows = zero_padding(rows, valid)
@@ -288,7 +288,7 @@ def channel_sum_sq(rows: torch.Tensor, valid: Optional[torch.Tensor],
 
 
 def channel_mean_sq(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per-channel mean of x^2 over the valid rows, in float32."""
+    """Per-channel mean of x^2 over the valid rows, in float32 (float64 for float64 rows)."""
     total, count = channel_sum_sq(rows, valid)
     return total / count.clamp_min(1)
 

@@ -56,6 +56,12 @@ def is_offline(name: str) -> bool:
     return _spec(name).offline
 
 
+def is_foldable(name: str) -> bool:
+    """True where folding has something to take into a linear layer: an offline norm's whole
+    inference, or DyT's affine."""
+    return is_offline(name) or hasattr(_spec(name).cls, "fold_parts")
+
+
 def norm_options(name: str) -> list[str]:
     """The options ``build_norm(name, C, **options)`` accepts."""
     params = inspect.signature(_spec(name).cls.__init__).parameters

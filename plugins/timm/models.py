@@ -89,9 +89,11 @@ def fold_plan(model: nn.Module) -> dict[str, list[str]]:
 
 @torch.no_grad()
 def fold_model(model: nn.Module, plan: Optional[dict[str, list[str]]] = None) -> dict[str, int]:
-    """Fold every offline norm of an eval-mode model in place (by ``plan``, by default the
-    classifier's); returns how many norms went into linear layers and how many into affines."""
+    """Fold every offline norm (and DyT's affine) of an eval-mode model in place, by ``plan``
+    (by default the classifier's); returns how many norms went into linear layers, how many
+    became frozen affines, and how many DyTs without a linear consumer stayed whole."""
     plan = plan if plan is not None else fold_plan(model)
+    unconsumed = [name for name, linears in plan.items() if not linears]
+    kept = sum(1 for name in unconsumed if not model.get_submodule(name).offline)
     unnorm.fold_norms(model, plan)
-    return {"folded": sum(1 for linears in plan.values() if linears),
-            "affine": sum(1 for linears in plan.values() if not linears)}
+    return {"folded": len(plan) - len(unconsumed), "affine": len(unconsumed) - kept, "kept": kept}

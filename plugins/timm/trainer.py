@@ -21,12 +21,11 @@ from tqdm import tqdm
 
 import unnorm
 from plugins.logger import make_logger
-from plugins.norms import fit_norm_to_run, norm_options
-from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
-                            rejected_steps)
-from plugins.training import (Checkpointer, Distributed, amp_context, data_parallel, epoch_plan,
-                              load_weights, optimizer_step, require_init, run_task,
-                              save_statistics, seed_everything)
+from plugins.norms import norm_options
+from plugins.runlog import CollapseDetector, TrainingCollapsed, record_collapse, rejected_steps
+from plugins.training import (Checkpointer, Distributed, amp_context, begin_run, data_parallel,
+                              epoch_plan, load_weights, optimizer_step, require_init, run_task,
+                              save_statistics)
 
 from .data import build_datasets
 from .models import model_from_config
@@ -78,13 +77,9 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
     batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
                                                  cfg.scale.max_steps_per_epoch, world, cfg.seed)
-    cfg = fit_norm_to_run(cfg, recipe.epochs * steps_per_epoch)
-    run = RunDirectory(out_dir, writer=world.main)
-    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
-                         resuming=(out_dir / CHECKPOINT).exists())
+    cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch, CHECKPOINT)
     if finished is not None:
         return finished
-    seed_everything(cfg.seed + world.rank)
     val_sampler = (torch.utils.data.DistributedSampler(val_set, shuffle=False)
                    if world.world > 1 else None)
     loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
