@@ -22,7 +22,7 @@ import yaml
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
-RESUME_KEYS = {"resume"}  # options a resume may change
+RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
 
 
 def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
@@ -119,15 +119,11 @@ class RunDirectory:
         a run that has ended (a resume or a requeue after the end: the caller does nothing).
 
         A fresh run writes ``config.yaml``. A resume writes nothing: it is refused, listing
-        the keys, if its configuration differs from the run's ``config.yaml``.
+        the keys, if its configuration differs from the run's ``config.yaml``, whether the
+        run is still to finish or has finished (the changed options would be dropped).
         """
         result = self.finished()
-        if result is not None:
-            if self.writer:
-                print(f"{self.path} has finished (status {result['status']}); nothing to do, "
-                      "its records are left as they are")
-            return result
-        if resuming:
+        if resuming or result is not None:
             differing = config_differences(yaml.safe_load((self.path / CONFIG_FILE).read_text()),
                                            yaml.safe_load(resolved_yaml))
             if differing:
@@ -135,7 +131,12 @@ class RunDirectory:
                     f"refusing to resume {self.path}: these options differ from its {CONFIG_FILE}: "
                     f"{', '.join(differing)}. Resume with the run's own options (its config.yaml), "
                     "or start a new run without resume=")
-        elif self.writer:
+        if result is not None:
+            if self.writer:
+                print(f"{self.path} has finished (status {result['status']}); nothing to do, "
+                      "its records are left as they are")
+            return result
+        if not resuming and self.writer:
             (self.path / CONFIG_FILE).write_text(resolved_yaml)
         return None
 

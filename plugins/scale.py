@@ -27,23 +27,39 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConf
     small_data = (scale.data or {}).get(cfg.task)
     if small_data and cfg.data.name != small_data:  # chosen explicitly: kept with its overrides
         cfg.data = OmegaConf.merge(cfg.data, OmegaConf.load(CONFIGS / "data" / f"{small_data}.yaml"))
-    if scale.scale_norm_steps:
+    explicit = command_line_values(given, overrides)
+    for key in explicit:
+        OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
+    if scale.scale_norm_steps:  # against the schedule that runs, command-line values included
         factor = lr_warmup_steps(cfg) / lr_warmup_steps(given)
         cfg.scale.norm_step_factor = factor
         for option in NORM_STEP_OPTIONS:
-            if cfg.norm.get(option):
+            if cfg.norm.get(option) and f"norm.{option}" not in explicit:
                 cfg.norm[option] = max(1, round(cfg.norm[option] * factor))
-    for key in command_line_values(given, overrides):
-        OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
     OmegaConf.set_struct(cfg, was_struct)
     return cfg
 
 
+def norm_steps_per_update(cfg: DictConfig) -> int:
+    """Norm steps (micro-batches: training forward/backward passes of one replica, the unit
+    the norms count in, as the releases do) per optimizer update: the gradient accumulation
+    (fairseq's ``update_freq``). Replicas do not change it: each counts its own micro-batches."""
+    if cfg.task == "translation":
+        update_freq = cfg.recipe.train.get("update_freq") or 1
+        if not isinstance(update_freq, int) or update_freq < 1:
+            raise ValueError(f"recipe.train.update_freq must be an int >= 1 (micro-batches per "
+                             f"update), got {update_freq!r}")
+        return update_freq
+    return 1
+
+
 def lr_warmup_steps(cfg: DictConfig) -> float:
-    """The learning-rate warm-up of ``cfg`` in optimizer steps, or its whole length in steps
-    for a recipe without warm-up (CIFAR fine-tuning): the yardstick the norms' own step
+    """The learning-rate warm-up of ``cfg`` in norm steps (micro-batches), or its whole
+    length for a recipe without warm-up (CIFAR fine-tuning): the yardstick the norms' own step
     counts (warm-up, compensation start) are scaled by, so that at CPU scale each sits
-    against the learning-rate schedule where the paper's does."""
+    against the learning-rate schedule where the paper's does. Optimizer updates are
+    converted with ``norm_steps_per_update`` (WMT14's 10k warm-up updates at update_freq 16
+    are 160k norm steps)."""
     recipe = cfg.recipe
     if cfg.task == "translation":
         warmup, length = recipe.train.warmup_updates, recipe.train.max_update
@@ -53,7 +69,7 @@ def lr_warmup_steps(cfg: DictConfig) -> float:
     else:
         per_epoch = cfg.data.num_train // recipe.batch_size  # full batches, as epoch_plan
         warmup, length = recipe.warmup_epochs * per_epoch, recipe.epochs * per_epoch
-    steps = warmup or length
+    steps = (warmup or length) * norm_steps_per_update(cfg)
     if not steps:
         raise ValueError(f"{cfg.recipe.name}: no learning-rate warm-up and no run length to "
                          "scale the norms' step counts by; set scale.scale_norm_steps=false")

@@ -1,5 +1,5 @@
 """Training plumbing every task's trainer shares: processes, seeds and RNG states, autocast,
-DDP, and initialising from one of our checkpoints."""
+DDP, compiling without a silent fall-back, and initialising from one of our checkpoints."""
 from __future__ import annotations
 
 import inspect
@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
+from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
 from plugins.norms import fit_norm_to_run
 from plugins.runlog import RunDirectory, save_atomic
 from plugins.scale import effective_config
@@ -57,6 +58,13 @@ class Distributed:
         if self.world > 1:
             dist.all_reduce(tensor)
         return tensor
+
+    def shard(self, dataset) -> torch.utils.data.Dataset:
+        """This replica's part of ``dataset`` for evaluation: every ``world``-th item, so the
+        shards cover it exactly once (no padding with repeated items)."""
+        if self.world == 1:
+            return dataset
+        return torch.utils.data.Subset(dataset, range(self.rank, len(dataset), self.world))
 
     def gather(self, obj) -> list:
         """Every replica's ``obj`` (picklable), in rank order."""
@@ -99,10 +107,11 @@ class Checkpointer:
     """What a run saves every epoch and resumes from: its stateful parts by name (model,
     optimizer, scheduler, ...; None where a run has no such part), plus every replica's RNG
     state and whatever the trainer adds (epoch, step, config). The previous epoch's
-    checkpoint is kept beside it (``previous.pt``), to fall back to if the last is damaged."""
+    checkpoint is kept beside it (``previous.pt``), to fall back to if the last is damaged.
+    ``trusted`` lets a resume unpickle anything (``trust_checkpoint=true``)."""
 
-    def __init__(self, path: Path, world: Distributed, **parts):
-        self.path, self.world, self.parts = Path(path), world, parts
+    def __init__(self, path: Path, world: Distributed, trusted: bool = False, **parts):
+        self.path, self.world, self.trusted, self.parts = Path(path), world, trusted, parts
 
     @property
     def previous(self) -> Path:
@@ -115,7 +124,7 @@ class Checkpointer:
         """Load the saved state into the parts; returns it (None when there is none)."""
         if not self.path.exists():
             return None
-        state = read_checkpoint(self.path, "resume", fallback=self.previous)
+        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted)
         for name, part in self.parts.items():
             if part is not None:
                 part.load_state_dict(state[name])
@@ -133,10 +142,14 @@ class Checkpointer:
             save_atomic({**parts, "rng": rng, **extra}, self.path, keep_previous=self.previous)
 
 
-def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None) -> dict:
-    """``torch.load`` of one of our checkpoints, or an error naming ``option`` and the fix."""
+def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None,
+                    trusted: bool = False) -> dict:
+    """One of our checkpoints, loaded without running its pickle (``trusted``: with), or an
+    error naming ``option`` and the fix."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_checkpoint(path, trusted=trusted, opt_in="trust_checkpoint=true")
+    except UnsafeCheckpoint as error:
+        raise UnsafeCheckpoint(f"{option}: {error}") from error
     except Exception as error:  # torch raises several kinds for damaged or foreign files
         fix = (f"the previous epoch's checkpoint is kept as {fallback}: move it to {path} to "
                "resume from the epoch before" if fallback is not None and fallback.exists()
@@ -175,9 +188,25 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dic
     cfg = effective_config(cfg, overrides)
     world = Distributed(cfg.device)
     try:
-        return train_fn(cfg, Path(out_dir), world, meta)
+        with no_eager_fallback() if cfg.compile else nullcontext():
+            return train_fn(cfg, Path(out_dir), world, meta)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        raise RuntimeError(
+            "compile=true: dynamo reached its recompile limit and would have run the rest of the "
+            "model eager, uncompiled; find what recompiles with TORCH_LOGS=recompiles, or train "
+            "eager with compile=false") from error
     finally:
         world.close()
+
+
+def no_eager_fallback(recompile_limit: int = 8, accumulated_recompile_limit: int = 256):
+    """dynamo settings, as a context manager, under which compiled code that reaches the
+    recompile limit raises (``FailOnRecompileLimitHit``) instead of running the rest eager
+    without a word: compiling means compiled. Code that compiles many variants of the same
+    modules at once (the benchmarks) raises the limits."""
+    return torch._dynamo.config.patch(recompile_limit=recompile_limit,
+                                      accumulated_recompile_limit=accumulated_recompile_limit,
+                                      fail_on_recompile_limit_hit=True)
 
 
 def begin_run(cfg, out_dir: Path, world: Distributed, total_steps: int,
@@ -185,6 +214,7 @@ def begin_run(cfg, out_dir: Path, world: Distributed, total_steps: int,
     """Fit the norm to the run's length, then start the run or check its resume (nothing is
     written for a resume): ``(cfg, run directory, stored result of a run that has ended)``.
     Seeds the RNGs of a run that goes on."""
+    unnorm.check_norm_sync(cfg.norm_sync)
     cfg = fit_norm_to_run(cfg, total_steps)
     run = RunDirectory(out_dir, writer=world.main)
     finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
@@ -216,37 +246,53 @@ def require_init(cfg) -> None:
                          "init_from=runs/<exp>/<time>/last.pt (or recipe.requires_init=false)")
 
 
-def load_weights(model: nn.Module, path: str, reset_steps: bool,
-                 ignore: Sequence[str] = ()) -> str:
+def load_weights(model: nn.Module, path: str, reset_steps: bool, *, ignore: Sequence[str] = (),
+                 resizable: Sequence[str] = (), trusted: bool = False) -> str:
     """Initialise ``model`` from one of our checkpoints (its EMA weights when it kept them).
 
-    Tensors whose shape differs (a classifier of another size) stay new, as do keys starting
-    with an ``ignore`` prefix; anything else that does not fit is an error. ``reset_steps``
-    restarts UN/MABN/PN step counters, so their warm-up runs again on the new task.
+    Checkpoint keys starting with an ``ignore`` prefix are dropped. A tensor may differ in
+    shape only under a ``resizable`` prefix (the classifier of a task with other classes): it
+    stays new, and the returned description names it. Any other difference is an error that
+    names every tensor; a norm's windows of another length reach the norm's own check, which
+    names ``window_size``. ``reset_steps`` restarts UN/MABN/PN step counters, so their
+    warm-up runs again on the new task. ``trusted``: ``trust_checkpoint=true``.
     """
     if not Path(path).exists():
         raise FileNotFoundError(f"init_from checkpoint not found: {path}")
-    state = read_checkpoint(Path(path), "init_from")
+    state = read_checkpoint(Path(path), "init_from", trusted=trusted)
     state = state.get("model_ema") or state["model"]
     state = {k: v for k, v in state.items() if not k.startswith(tuple(ignore))}
     own = model.state_dict()
-    resized = {k for k in state if k in own and state[k].shape != own[k].shape}
-    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in resized},
-                                                strict=False)
-    if unexpected or set(missing) - resized:
-        raise RuntimeError(f"{path} does not fit this model: missing {sorted(missing)[:5]}, "
+    resized = {k: (tuple(state[k].shape), tuple(own[k].shape)) for k in state
+               if k in own and state[k].shape != own[k].shape}
+    new = sorted(k for k in resized if k.startswith(tuple(resizable)))
+    try:
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in state.items() if k not in new}, strict=False)
+    except RuntimeError as error:  # shapes that differ outside ``resizable``
+        differing = [f"{k} {theirs} there, {ours} here" for k, (theirs, ours) in sorted(resized.items())
+                     if k not in new]
+        if not differing:
+            raise
+        raise ValueError(f"init_from: {path} does not fit this model: {'; '.join(differing)}. "
+                         "Build the model as that run did (its config.yaml); only the classifier "
+                         f"may differ in shape{f' ({list(resizable)})' if resizable else ''}") from error
+    if unexpected or set(missing) - set(new):
+        raise RuntimeError(f"{path} does not fit this model: missing {sorted(set(missing) - set(new))[:5]}, "
                            f"unexpected {sorted(unexpected)[:5]}")
     if reset_steps:
         unnorm.reset_steps(model)
-    return f"{path} (new: {sorted(resized)})" if resized else path
+    return f"{path} (new: {new})" if new else path
 
 
-def amp_context(enabled: bool, device: torch.device):
-    """bf16 (or fp16 with a grad scaler) autocast on CUDA; nothing elsewhere."""
+def amp_context(enabled: bool, device: torch.device, model: nn.Module):
+    """bf16 (or fp16 with a grad scaler) autocast on CUDA; nothing elsewhere. The scaler is
+    ``unnorm.GradScaler``: the norms of ``model`` keep their statistics in unscaled units and
+    an update it skips leaves them as they were."""
     if not enabled or device.type != "cuda":
         return nullcontext, None
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    scaler = unnorm.GradScaler(model, "cuda") if dtype == torch.float16 else None
     return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
 
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import unnorm  # noqa: E402
 from plugins.timm import create_classifier, fold_model  # noqa: E402
 from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
+from plugins.training import no_eager_fallback  # noqa: E402
 
 MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14",
           "mask_rcnn_swin_t": "configs/model/faster_rcnn_swin_t.yaml"}  # + masks, as mask_rcnn_swin_t.yaml
@@ -79,10 +80,9 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
 def compile_side_by_side() -> None:
     """Compiled variants share their modules' forward code, and dynamo counts each one's graph
     as a recompile of that code: past its limit (8) it would run the rest eager, silently.
-    Lift the limit for the variants a benchmark holds at once, and make reaching it an error."""
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    Lift the limit for the variants a benchmark holds at once, and make reaching it an error
+    (the trainers' ``no_eager_fallback``), for the rest of the process."""
+    no_eager_fallback(recompile_limit=256, accumulated_recompile_limit=4096).__enter__()
 
 
 def synchronize(device: torch.device) -> None:

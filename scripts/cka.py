@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # plugins/ and analysis/ from a plain checkout
 
 from analysis.cka import ESTIMATORS, cka_matrix, plot_cka_heatmap  # noqa: E402
+from plugins.checkpoints import load_checkpoint  # noqa: E402
 from plugins.timm import model_from_config  # noqa: E402
 from plugins.timm.data import build_datasets  # noqa: E402
 
@@ -33,10 +34,11 @@ def checkpoint_path(run: Path) -> Path:
     return path
 
 
-def load_run(run: Path, ema: bool, device: torch.device):
-    """(model in eval mode, resolved config) of a run's last checkpoint."""
+def load_run(run: Path, ema: bool, device: torch.device, trusted: bool = False):
+    """(model in eval mode, resolved config) of a run's last checkpoint (``trusted``: unpickle
+    anything it holds)."""
     path = checkpoint_path(run)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint(path, trusted=trusted, opt_in="--trust-checkpoint")
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ValueError(f"{path} is not a training checkpoint of scripts/train.py "
                          "(expected the keys 'model' and 'config')")
@@ -60,14 +62,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-batches", type=int, help="stop after this many batches (default: whole val set)")
     parser.add_argument("--ema", action="store_true", help="compare the EMA weights of both runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="unpickle anything the checkpoints hold (it can run code): only for "
+                             "files you made or trust; by default only tensors and plain data load")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    model_a, cfg_a = load_run(args.run_a, args.ema, device)
-    model_b, cfg_b = load_run(args.run_b, args.ema, device)
+    model_a, cfg_a = load_run(args.run_a, args.ema, device, args.trust_checkpoint)
+    model_b, cfg_b = load_run(args.run_b, args.ema, device, args.trust_checkpoint)
     for key in ("data.name", "model.img_size"):
         value_a, value_b = OmegaConf.select(cfg_a, key), OmegaConf.select(cfg_b, key)
         if value_a != value_b:

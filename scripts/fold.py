@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import unnorm  # noqa: E402
+from plugins.checkpoints import load_checkpoint  # noqa: E402
 from plugins.timm import fold_model, model_from_config  # noqa: E402
 from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
 
@@ -38,9 +39,10 @@ def _fold(cfg, model: torch.nn.Module) -> dict:
     return fold_detector(model) if cfg.task == "detection" else fold_model(model)
 
 
-def load_folded(path: Path) -> torch.nn.Module:
-    """Rebuild a model saved by this script: its structure, folded, then its weights."""
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+def load_folded(path: Path, trusted: bool = False) -> torch.nn.Module:
+    """Rebuild a model saved by this script: its structure, folded, then its weights
+    (``trusted``: unpickle anything, for a file you trust)."""
+    saved = load_checkpoint(path, trusted=trusted, opt_in="trusted=True")
     cfg = OmegaConf.create(saved["config"])
     model = _model(cfg, saved["model"]).eval()
     _fold(cfg, model)
@@ -48,17 +50,20 @@ def load_folded(path: Path) -> torch.nn.Module:
     return model
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a run directory or its last.pt")
     parser.add_argument("--ema", action="store_true", help="fold the EMA weights")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check-batch", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="unpickle anything the checkpoint holds (it can run code): only for "
+                             "files you made or trust; by default only tensors and plain data load")
+    args = parser.parse_args(argv)
     path = args.checkpoint / "last.pt" if args.checkpoint.is_dir() else args.checkpoint
     if not path.exists():
         sys.exit(f"no checkpoint at {path}: pass a run directory or its last.pt")
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = load_checkpoint(path, trusted=args.trust_checkpoint, opt_in="--trust-checkpoint")
     cfg = OmegaConf.create(saved["config"])
     if not unnorm.is_foldable(cfg.norm.name):
         sys.exit(f"{cfg.norm.name} is an online norm: nothing to fold (foldable: "

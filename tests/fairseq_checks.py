@@ -3,8 +3,14 @@ of fairseq's environment (the main one cannot import fairseq):
 
     .venv-fairseq/bin/python tests/fairseq_checks.py padding DATA_BIN
     .venv-fairseq/bin/python tests/fairseq_checks.py same-weights CHECKPOINT_A CHECKPOINT_B
+    .venv-fairseq/bin/python tests/fairseq_checks.py precision DATA_BIN
+    .venv-fairseq/bin/python tests/fairseq_checks.py groups DATA_BIN
+    .venv-fairseq/bin/python tests/fairseq_checks.py skipped-update DATA_BIN
+    .venv-fairseq/bin/python tests/fairseq_checks.py loss-scale DATA_BIN
+    .venv-fairseq/bin/python tests/fairseq_checks.py norm-state CHECKPOINT
 
-Each prints a JSON summary and exits non-zero, with the reason, when a check fails.
+Each prints a JSON summary (the tests assert on it) and exits non-zero, with the reason, when
+a check cannot be made.
 """
 import copy
 import json
@@ -17,25 +23,34 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 import unnorm
+from plugins.fairseq.checkpoints import load
+from plugins.fairseq.train import GuardedTrainer
 
 USER_DIR = str(Path(__file__).resolve().parents[1] / "plugins" / "fairseq" / "unnorm_fairseq")
 EXTRA_PAD = 3   # padding columns added to source (left) and target (right)
 STEPS = 4       # training steps per norm: UN's warm-up of 2 is followed by its window phase
 
 
-def build(data: str, norm: str):
+def setup(data: str, norm: str, *flags: str):
+    """fairseq's config and task for the tiny model with ``norm`` (and more ``flags``), and
+    the test set's first batches of 12 sentences."""
     args = options.parse_args_and_arch(options.get_training_parser(), [
         data, "--user-dir", USER_DIR, "--task", "translation", "--arch", "unnorm_transformer_tiny",
         "--norm-type", norm, "--encoder-normalize-before", "--decoder-normalize-before",
         "--share-all-embeddings", "--dropout", "0", "--cpu", "--seed", "1"]
-        + (["--un-warmup", "2"] if norm in ("un", "mabn", "pn", "pn_ls") else []))
+        + (["--un-warmup", "2"] if norm in ("un", "mabn", "pn", "pn_ls") else []) + list(flags))
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
     task.load_dataset("test")
     dataset = task.dataset("test")
-    batch = dataset.collater([dataset[i] for i in range(12)])
+    batches = [dataset.collater([dataset[i] for i in range(start, start + 12)]) for start in range(0, 96, 12)]
+    return cfg, task, batches
+
+
+def build(data: str, norm: str, *flags: str):
+    cfg, task, batches = setup(data, norm, *flags)
     torch.manual_seed(1)
-    return task.build_model(cfg.model), batch["net_input"], task.source_dictionary.pad()
+    return task.build_model(cfg.model), batches[0]["net_input"], task.source_dictionary.pad()
 
 
 def pad_more(net_input: dict, pad: int) -> dict:
@@ -123,8 +138,9 @@ def check_padding(data: str) -> dict:
 
 def check_same_weights(path_a: str, path_b: str) -> dict:
     """Two checkpoints hold bitwise identical model weights under the same names (but for
-    fairseq's ``_float_tensor``, an uninitialised buffer kept only for its dtype and device)."""
-    a, b = ({k: v for k, v in torch.load(path, map_location="cpu", weights_only=False)["model"].items()
+    fairseq's ``_float_tensor``, an uninitialised buffer kept only for its dtype and device).
+    They are read as the project reads fairseq's checkpoints: without running their pickle."""
+    a, b = ({k: v for k, v in load(path, "same-weights")["model"].items()
              if not k.endswith("._float_tensor")} for path in (path_a, path_b))
     if set(a) != set(b):
         raise SystemExit(f"different parameters: {sorted(set(a) ^ set(b))[:10]}")
@@ -134,7 +150,169 @@ def check_same_weights(path_a: str, path_b: str) -> dict:
     return {"tensors": len(a), "identical": True}
 
 
+def norm_buffers(model) -> dict:
+    """Every buffer of every norm with running state, by name (copies)."""
+    return {f"{name}.{key}": value.detach().clone() for name, module in model.named_modules()
+            if isinstance(module, unnorm.GuardedNorm)
+            for key, value in module.named_buffers(recurse=False)}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn")  # the norms with running state
+
+
+def check_precision(data: str) -> dict:
+    """Each norm with running state in the plugin's model, cast as fairseq's --fp16 / --bf16 cast it
+    (``model.half()`` / ``.bfloat16()``: fairseq's own flags need CUDA for training), against
+    the float32 model with the same (rounded) weights on the same batches: training steps
+    (forward and backward; the weights stay, so the norms' state is what moves: warm-up,
+    windows, EMAs) and then eval. Reports the largest relative differences of the encoder
+    output and logits, of the norms' floating-point buffers after training, and their dtypes."""
+    summary = {}
+    for norm in STATEFUL:
+        model, net_input, _ = build(data, norm)
+        for dtype in (torch.float16, torch.bfloat16):
+            cast = copy.deepcopy(model).to(dtype)
+            reference = copy.deepcopy(model)
+            with torch.no_grad():
+                for mine, theirs in zip(reference.parameters(), cast.parameters()):
+                    mine.copy_(theirs.float())
+            outputs = {"train": 0.0, "eval": 0.0}
+            for mode in ["train"] * STEPS + ["eval"]:
+                cast.train(mode == "train"), reference.train(mode == "train")
+                got, want = forward(cast, net_input), forward(reference, net_input)
+                outputs[mode] = max(outputs[mode], *(relative(g, w) for g, w in zip(got, want)))
+                if got[1].dtype != dtype:
+                    raise SystemExit(f"{norm} {dtype}: logits came back as {got[1].dtype}")
+            buffers, wanted = norm_buffers(cast), norm_buffers(reference)
+            floating = [k for k, v in wanted.items() if v.is_floating_point()]
+            summary[f"{norm}/{str(dtype)[6:]}"] = {
+                **outputs,
+                "buffers": max((relative(buffers[k], wanted[k]) for k in floating), default=0.0),
+                "buffer_dtypes": sorted({str(buffers[k].dtype)[6:] for k in floating}),
+                "steps": max((int(v) for k, v in buffers.items() if k.endswith("num_iters")), default=None)}
+    return summary
+
+
+def check_groups(data: str) -> dict:
+    """PowerNorm's layer-scale groups of every norm of the model, with --un-group-num unset
+    (encoder and decoder of 4 and 2 heads) and set to 1."""
+    summary = {}
+    for name, flags in (("unset", ["--encoder-attention-heads", "4", "--decoder-attention-heads", "2"]),
+                        ("set_to_1", ["--un-group-num", "1"])):
+        model, _, _ = build(data, "pn_ls", *flags)
+        summary[name] = {key: module.group_num for key, module in model.named_modules()
+                         if isinstance(module, unnorm.PowerNorm)}
+    return summary
+
+
+CONTROLS = ("un", "prepbn")  # the norms also run without the guard: the checks can fail
+
+
+def fp16_trainer(data: str, norm: str, *flags: str):
+    """fairseq's trainer of plugins.fairseq.train, with --fp16 (FP16Optimizer and its
+    DynamicLossScaler; the model cast to half), on the CPU (where fairseq's flattened fp32
+    copy of the weights would ask CUDA for its device: unflattened); and the batches."""
+    cfg, task, batches = setup(data, norm, "--fp16", "--fp16-no-flatten-grads", "--optimizer",
+                               "adam", "--lr", "1e-3",
+                               "--criterion", "label_smoothed_cross_entropy",
+                               "--label-smoothing", "0.1", *flags)
+    torch.manual_seed(1)
+    model = task.build_model(cfg.model)
+    return GuardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion)), batches
+
+
+def overflow_in_head(model):
+    """An inf in the gradient of the output projection's weight (the shared embedding): a
+    head weight's gradient, which reaches no norm; returns the hook's handle."""
+    def overflow(grad):
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+    return model.decoder.output_projection.weight.register_hook(overflow)
+
+
+def unguarded_training(data: str) -> str:
+    """What a training forward of the model built for --fp16 says when no trainer guards its
+    norms (fairseq-train's own)."""
+    cfg, task, batches = setup(data, "un", "--fp16")
+    model = task.build_model(cfg.model).half().train()
+    try:
+        model(**batches[0]["net_input"])  # as fairseq's criterion calls it
+    except RuntimeError as refusal:
+        return str(refusal)
+    return "trained"
+
+
+def check_skipped_update(data: str) -> dict:
+    """Each norm with running state, trained by fairseq under --fp16 for three updates; the
+    fourth update's head weight gradient overflows and fairseq skips it. Reports whether the
+    norms' buffers came out of it exactly as they went in, with the guard and, as the
+    control (``CONTROLS``), with the norms left as the update made them (what fairseq-train
+    did, which now refuses: ``fairseq_train``)."""
+    # fairseq's overflow branch puts a zero grad norm on CUDA; on this CPU it stays here
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+    summary = {"fairseq_train": unguarded_training(data)}
+    for norm in STATEFUL:
+        for guarded in (True, False) if norm in CONTROLS else (True,):
+            trainer, batches = fp16_trainer(data, norm, "--fp16-init-scale", "64")
+            if not guarded:
+                trainer.guard.end_update = lambda skipped: None
+            for batch in batches[:3]:
+                trainer.train_step([batch])
+            before, scale = norm_buffers(trainer.get_model()), trainer.optimizer.scaler.loss_scale
+            handle = overflow_in_head(trainer.get_model())
+            trainer.train_step([batches[3]])
+            handle.remove()
+            after = norm_buffers(trainer.get_model())
+            summary[f"{norm}/{'guarded' if guarded else 'control'}"] = {
+                "updates": trainer.get_num_updates(),
+                "scale": [scale, trainer.optimizer.scaler.loss_scale],
+                "steps_before": max((int(v) for k, v in before.items() if k.endswith("num_iters")), default=None),
+                "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+                "changed": sorted(k for k in before if not torch.equal(before[k], after[k]))[:3]}
+    return summary
+
+
+def check_loss_scale(data: str) -> dict:
+    """UN, MABN and PN trained by fairseq under --fp16 from loss scales 4 and 512 on the same
+    batches, three updates of two micro-batches (as --update-freq 2 hands them): the largest relative difference
+    of their gradient statistics (windows, EMAs) between the two, with the guard and, as
+    the control (UN), with the norms told no scale; and the norms' step counts."""
+    summary = {}
+    for norm in ("un", "mabn", "pn"):
+        for guarded in (True, False) if norm in CONTROLS else (True,):
+            grad_stats = []
+            for scale in ("4", "512"):
+                trainer, batches = fp16_trainer(data, norm, "--fp16-init-scale", scale,
+                                                "--fp16-scale-window", "1000")
+                if not guarded:
+                    trainer.guard.begin_update = lambda _, guard=trainer.guard: type(guard).begin_update(guard, 1.0)
+                for first in range(0, 6, 2):
+                    trainer.train_step(batches[first:first + 2])
+                buffers = norm_buffers(trainer.get_model())
+                grad_stats.append({k: v for k, v in buffers.items()
+                                   if k.endswith(("bwd_buffer", "ema_grad"))})
+            summary[f"{norm}/{'guarded' if guarded else 'control'}"] = {
+                "difference": max(relative(grad_stats[1][k], grad_stats[0][k]) for k in grad_stats[0]),
+                "updates": trainer.get_num_updates(),
+                "steps": max(int(v) for k, v in buffers.items() if k.endswith("num_iters"))}
+    return summary
+
+
+def check_norm_state(path: str) -> dict:
+    """The norms' step counters in a checkpoint of a run (read safely)."""
+    state = load(path, "norm-state")["model"]
+    return {"num_iters": sorted({int(v) for k, v in state.items() if k.endswith(".num_iters")})}
+
+
+CHECKS = {"padding": check_padding, "same-weights": check_same_weights, "precision": check_precision,
+          "groups": check_groups, "skipped-update": check_skipped_update,
+          "loss-scale": check_loss_scale, "norm-state": check_norm_state}
+
 if __name__ == "__main__":
     check, *paths = sys.argv[1:]
-    result = {"padding": check_padding, "same-weights": check_same_weights}[check](*paths)
-    print(json.dumps(result, indent=1))
+    print(json.dumps(CHECKS[check](*paths), indent=1))

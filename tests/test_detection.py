@@ -13,14 +13,16 @@ from omegaconf import OmegaConf
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
+import plugins.torchvision.trainer as trainer
 import unnorm
+from plugins.checkpoints import load_checkpoint
 from plugins.scale import effective_config
 from plugins.torchvision.coco import CocoInstances, coco_evaluate, to_coco_results
 from plugins.torchvision.detectors import build_detector, detector_fold_plan, fold_detector
 from plugins.torchvision.shapes import CATEGORIES, ensure_shapes, render_image
 from plugins.torchvision.trainer import build_datasets, evaluate, train
 from plugins.training import Distributed
-from test_vision import ROOT, config, kill_and_resume, run_script
+from test_vision import ROOT, assert_states_equal, config, kill_and_resume, run_script, two_replicas
 
 QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2"]
 
@@ -124,21 +126,48 @@ def test_missing_coco_root_names_the_fix(tmp_path):
 
 @pytest.mark.parametrize("model", ["faster_rcnn_swin_t", "mask_rcnn_swin_t"])
 @pytest.mark.parametrize("norm", unnorm.available_norms())
-def test_every_norm_trains_both_detectors(model, norm, tmp_path):
-    result = train(config(f"+exp={model}_{norm}", *QUICK, *_data(tmp_path)), tmp_path / "run")
+def test_every_norm_trains_both_detectors(model, norm, tmp_path, monkeypatch):
+    """Two steps of every norm in both detectors: every loss term of both stages finite and
+    positive; detections made, finite, inside the image; every AP field finite; and last.pt,
+    reloaded, scores a validation image as the run's evaluation did (its norm state saved)."""
+    detections = []  # what each evaluation scored
+    scored = trainer.coco_evaluate
+    monkeypatch.setattr(trainer, "coco_evaluate", lambda coco, results, *args:
+                        detections.append(results) or scored(coco, results, *args))
+    result = train(config(f"+exp={model}_{norm}", *QUICK, *_data(tmp_path, val=2)), tmp_path / "run")
     assert result["status"] == "ok" and result["task"] == "detection" and result["steps"] == 2
     assert result["model"] == model and result["exp_data"] == "shapes" and result["scale"] == "cpu"
-    assert ("segm_AP" in result["metrics"]) == (model == "mask_rcnn_swin_t")
-    assert 0 <= result["metrics"]["bbox_AP"] <= 100
+    masks = model == "mask_rcnn_swin_t"
+    metrics = result["metrics"]
+    losses = {"classifier", "box_reg", "objectness", "rpn_box_reg"} | ({"mask"} if masks else set())
+    assert {k for k in metrics if k.startswith("train_loss_")} == {f"train_loss_{k}" for k in losses}
+    assert all(0 < metrics[f"train_loss_{k}"] < float("inf") for k in losses), metrics
+    iou_types = ("bbox", "segm") if masks else ("bbox",)
+    assert [k for k in metrics if k.endswith("_AP")] == [f"{kind}_AP" for kind in iou_types]
+    assert all(0 <= metrics[f"{kind}_{name}"] <= 100 for kind in iou_types
+               for name in ("AP", "AP50", "AP75"))
+    [made] = detections
+    boxes = torch.tensor([entry["bbox"] for entry in made])
+    assert len(made) > 0 and torch.isfinite(boxes).all() and (boxes[:, 2:] >= 0).all()
+    assert ((boxes[:, :2] >= 0) & (boxes[:, :2] + boxes[:, 2:] <= 128 + 1e-3)).all()
     saved = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert saved["metrics"] == pytest.approx(result["metrics"], nan_ok=True)
-    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    assert saved["metrics"] == pytest.approx(result["metrics"])
+
+    checkpoint = load_checkpoint(tmp_path / "run" / "last.pt")
     cfg = OmegaConf.create(checkpoint["config"])  # as it ran (PRepBN's hand-over fitted to it)
-    detector = build_detector(cfg.model, cfg.norm, num_classes=4)
+    _, val_set = build_datasets(cfg.data, masks)
+    detector = build_detector(cfg.model, cfg.norm, num_classes=val_set.num_classes)
     detector.load_state_dict(checkpoint["model"])
     norms = [m for m in detector.modules() if isinstance(m, unnorm.ChannelNorm)]
     assert len(norms) == 2 * 8 + 3 + 4 + 1  # 8 blocks x 2, 3 mergings, 4 outputs, patch embed
     assert all(type(m) is type(unnorm.build_norm(norm, 8)) for m in norms)
+    image, target = val_set[0]
+    with torch.no_grad():
+        [prediction] = detector.eval()([image])
+    recorded = [entry["score"] for entry in made if entry["image_id"] == target["image_id"]]
+    # sorted: near ties may swap under another batch's float rounding, values may not
+    np.testing.assert_allclose(sorted(prediction["scores"].tolist()), sorted(recorded),
+                               rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", ["un"])
@@ -170,10 +199,48 @@ def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key
 
 
+def test_ddp_replicas_score_and_save_one_norm_state(tmp_path, monkeypatch):
+    """Two gloo replicas with per-replica statistics: both evaluate with one norm state, and
+    last.pt evaluated alone, in one process, gives the recorded AP and the detections the
+    replicas made on their shards."""
+    overrides = ["+exp=faster_rcnn_swin_t_un", *QUICK, *_data(tmp_path, train=16, val=6)]
+    _, val_set = build_datasets(effective_config(config(*overrides)).data, masks=False)  # made once
+    [replicas] = two_replicas("plugins.torchvision.trainer", [(overrides, tmp_path / "run")],
+                              tmp_path / "records")
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "ok" and result["world_size"] == 2
+    [first], [second] = (replica["eval"] for replica in replicas)
+    assert_states_equal(first["state"], second["state"], "evaluation")
+
+    saved = load_checkpoint(tmp_path / "run" / "last.pt")
+    cfg = OmegaConf.create(saved["config"])
+    detector = build_detector(cfg.model, cfg.norm, val_set.num_classes)
+    detector.load_state_dict(saved["model"])
+    alone = []
+    scored = trainer.coco_evaluate
+    monkeypatch.setattr(trainer, "coco_evaluate", lambda coco, results, *args: alone.append(results)
+                        or scored(coco, results, *args))
+    metrics = evaluate(detector, val_set, 4, Distributed("cpu"), contextlib.nullcontext, ("bbox",))
+    for key, value in metrics.items():
+        assert value == pytest.approx(result["metrics"][key], abs=1e-6), key
+    [replicated] = first["outputs"]  # every replica's detections, gathered
+    assert len(replicated) > 0
+
+    def scores(results):  # per image, sorted: near ties may swap (float noise), values not
+        grouped: dict = {}
+        for entry in results:
+            grouped.setdefault(entry["image_id"], []).append(entry["score"])
+        return {image: sorted(values) for image, values in grouped.items()}
+    want, got = scores(alone[0]), scores(replicated)
+    assert want.keys() == got.keys() == set(val_set.coco.getImgIds())
+    for image in want:
+        np.testing.assert_allclose(got[image], want[image], rtol=0, atol=1e-5, err_msg=str(image))
+
+
 def test_norm_statistics_are_recorded_per_step(tmp_path):
     train(config("+exp=faster_rcnn_swin_t_un", *QUICK, *_data(tmp_path), "record_statistics=true",
                  "collapse.check_every=1"), tmp_path / "run")
-    stats = torch.load(tmp_path / "run" / "stats" / "epoch_0001.pt")
+    stats = load_checkpoint(tmp_path / "run" / "stats" / "epoch_0001.pt")
     assert "body.layers.0.blocks.0.norm1" in stats and "out_norms.3" in stats
     assert all(next(iter(values.values())).shape[0] == 2 for values in stats.values())  # 2 steps
 

@@ -16,12 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import unnorm
+from plugins.checkpoints import UnsafeCheckpoint
 from plugins.fairseq import launcher, synthetic
 from plugins.fairseq.data import binarised_files, prepare
 from plugins.fairseq.flags import OPTIONS, norm_flags
+from plugins.norms import norm_options
 from plugins.scale import effective_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +72,8 @@ def synthetic_data(fairseq_env, tmp_path_factory) -> Path:
 
 def fairseq_python(*args, timeout=300):
     result = subprocess.run([str(ENV / "bin" / "python"), *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(result.stdout[result.stdout.index("{"):])
 
@@ -100,6 +104,9 @@ class _Env:
     def bin(self, name):
         return name
 
+    def module(self, name):
+        return ["python", "-m", name]
+
 
 def test_experiments_give_the_papers_fairseq_commands(tmp_path):
     for data in ("iwslt14", "wmt14"):
@@ -127,6 +134,90 @@ def test_experiments_give_the_papers_fairseq_commands(tmp_path):
     # the norms' step counts shrink with the learning-rate warm-up (6000 -> 100 updates)
     assert small.norm.warmup_iters == round(4000 * 100 / 6000) and small.norm.outlier_filtration is False
     assert "--norm-pad-mask false" in " ".join(launcher.train_command(small, _Env(), tmp_path, tmp_path))
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has ``gpus(n)`` CUDA devices (the launcher only asks)."""
+    def pretend(count: int):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    return pretend
+
+
+@pytest.mark.parametrize("overrides, error, fix", [
+    (["compile=true"], ValueError, "drop it for translation"),
+    (["record_statistics=true"], ValueError, "drop it for translation"),
+    (["scale.max_steps_per_epoch=5"], ValueError, "recipe.train.max_update"),
+    (["reset_norm_steps=true"], ValueError, "set init_from="),
+    (["+recipe.train.fp16=true"], ValueError, "set amp=false"),
+    (["amp=false", "+recipe.train.bf16=true"], ValueError, "implies --tpu"),
+    (["device=cuda"], RuntimeError, "use device=cpu"),
+])
+def test_settings_translation_cannot_honour_are_refused(overrides, error, fix, gpus, tmp_path,
+                                                         monkeypatch):
+    """Refused before anything runs (no fairseq environment needed), naming the fix."""
+    gpus(0)
+    monkeypatch.setenv("UNNORM_FAIRSEQ_ENV", str(tmp_path / "none"))
+    with pytest.raises(error, match=re.escape(fix)):
+        launcher.train(config("+exp=iwslt14_un", "scale=cpu", *overrides), tmp_path / "run", overrides)
+    assert not (tmp_path / "run").exists()
+
+
+def test_amp_trains_in_half_precision_on_cuda_only(gpus, tmp_path):
+    """amp=true (the default): fairseq's --fp16 on a GPU (its loss scaler, which
+    plugins.fairseq.train keeps from the norms); on CPU nothing, as
+    plugins.training.amp_context. Training runs through plugins.fairseq.train."""
+    def command(*overrides):
+        cfg, device, _ = launcher.run_config(config("+exp=iwslt14_un", *overrides))
+        return launcher.train_command(cfg, _Env(), tmp_path, tmp_path / "checkpoints", device)
+
+    gpus(0)
+    on_cpu = command()
+    assert on_cpu[:3] == ["python", "-m", "plugins.fairseq.train"]
+    assert not set(on_cpu) & {"--fp16", "--bf16", "--amp"} and on_cpu[-3:] == ["--cpu", "--distributed-world-size", "1"]
+    gpus(1)
+    assert "--fp16" in command() and "--cpu" not in command()
+    assert not set(command("amp=false")) & {"--fp16", "--bf16", "--amp"}
+    assert "--amp" in command("amp=false", "+recipe.train.amp=true")
+
+
+def test_update_freq_keeps_the_tokens_of_an_update_on_any_number_of_gpus(gpus):
+    """WMT14's update is 4096 tokens x 16 micro-batches x 8 GPUs: update_freq follows the GPUs
+    fairseq trains on; IWSLT14's is one micro-batch (the release's single GPU). An
+    update_freq set on the command line is kept."""
+    def update_freq(exp, *overrides):
+        cfg, _, world = launcher.run_config(config(f"+exp={exp}", *overrides), overrides)
+        return cfg.recipe.train.update_freq, world
+
+    for count, expected in ((8, 16), (4, 32), (1, 128)):
+        gpus(count)
+        assert update_freq("wmt14_un") == (expected, count)
+    gpus(0)
+    assert update_freq("wmt14_un") == (128, 1) and update_freq("iwslt14_un") == (1, 1)
+    assert update_freq("wmt14_un", "scale=cpu") == (1, 1)
+    gpus(3)
+    with pytest.raises(ValueError, match="3 GPUs cannot share evenly"):
+        update_freq("wmt14_un")
+    assert update_freq("wmt14_un", "recipe.train.update_freq=5") == (5, 3)
+    gpus(2)
+    with pytest.raises(ValueError, match="set recipe.train.update_freq"):
+        update_freq("iwslt14_un")
+    assert update_freq("iwslt14_un", "+recipe.train.distributed_world_size=1") == (1, 1)
+
+
+def test_run_length_options_count_micro_batches(gpus):
+    """PRepBN's hand-over ends at 80% of the run in norm steps (micro-batches): 0.8 x
+    max_update x update_freq, with update_freq as the GPUs make it."""
+    for count, update_freq in ((8, 16), (2, 64)):
+        gpus(count)
+        cfg, _, _ = launcher.run_config(config("+exp=wmt14_prepbn"))
+        assert cfg.recipe.train.update_freq == update_freq
+        assert cfg.norm.decay_iters == round(0.8 * 50000 * update_freq)
+    gpus(0)
+    cfg, _, _ = launcher.run_config(config("+exp=iwslt14_prepbn", "scale=cpu", "recipe.train.update_freq=3"),
+                                    ["recipe.train.update_freq=3"])
+    assert cfg.recipe.train.update_freq == 3 and cfg.norm.decay_iters == round(0.8 * 336 * 3)
 
 
 def test_synthetic_corpus_has_agreement_and_reordering():
@@ -165,8 +256,8 @@ def learned(synthetic_data, tmp_path_factory) -> dict:
     runs = {}
     for norm in ("ln", "un"):
         out = tmp_path_factory.mktemp(norm) / "run"
-        runs[norm] = launcher.train(config(f"+exp=iwslt14_{norm}", "scale=cpu", "device=cpu"), out,
-                                    overrides=["scale=cpu"])
+        overrides = ["scale=cpu", "device=cpu", "logger=none"]
+        runs[norm] = launcher.train(config(f"+exp=iwslt14_{norm}", *overrides), out, overrides)
     return runs
 
 
@@ -227,9 +318,135 @@ def test_padding_is_excluded_from_every_norm(synthetic_data):
     assert summary["bn_without_masks"] > 1e-3  # the check would see leaking padding
 
 
+STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn")  # norms with running state
+
+
+def test_half_precision_keeps_float32_statistics_and_follows_float32(synthetic_data):
+    """Each norm with running state in the plugin's model, cast as fairseq's --fp16 / --bf16
+    cast it: statistics buffers stay float32 (UN and MABN crashed, PN, BN and PRepBN kept
+    half-precision EMAs), and four training steps and eval follow the float32 model to the
+    cast's rounding (the gradient statistics, means of g * z, to a few percent)."""
+    summary = fairseq_python("tests/fairseq_checks.py", "precision", str(synthetic_data))
+    for norm in STATEFUL:
+        for dtype, outputs, statistics in (("float16", 5e-3, 3e-2), ("bfloat16", 2e-2, 5e-2)):
+            result = summary[f"{norm}/{dtype}"]
+            assert result["buffer_dtypes"] == ["float32"], (norm, dtype, result)
+            assert result["buffers"] < statistics, (norm, dtype, result)
+            assert result["train"] < outputs, (norm, dtype, result)
+            # RepBN's eval adds alpha * x to BN's output: the residual stream grows tenfold
+            # over the layers, and its rounding with it
+            assert result["eval"] < (10 * outputs if norm == "prepbn" else outputs), (norm, dtype, result)
+            assert result["steps"] == (None if norm == "bn" else 4), (norm, result)
+
+
+def test_pn_ls_groups_by_the_attention_heads_of_its_block(synthetic_data):
+    """group_num unset (configs/norm/pn_ls.yaml: null): each norm's layer-scale has as many
+    groups as its block has attention heads (encoder 4, decoder 2 here), as PowerNorm's
+    release; --un-group-num forces one value."""
+    for data in ("iwslt14", "wmt14"):
+        cfg = config(f"+exp={data}_pn_ls")
+        assert cfg.norm.group_num is None and "--un-group-num" not in norm_flags("pn_ls", norm_options(cfg.norm))
+    summary = fairseq_python("tests/fairseq_checks.py", "groups", str(synthetic_data))
+    unset = summary["unset"]
+    assert len(unset) == 2 * 2 + 3 * 2 + 2  # layers' norms and the stacks' final norms
+    assert unset == {name: 4 if name.startswith("encoder") else 2 for name in unset}
+    assert set(summary["set_to_1"].values()) == {1}
+
+
+def test_a_skipped_fp16_update_leaves_every_norm_as_it_was(synthetic_data):
+    """fairseq's --fp16 trainer (plugins.fairseq.train) skips an update whose head weight's
+    gradient overflowed (the inf reaches no norm): every norm's buffers come out of it
+    exactly as they went in. The controls (UN, PRepBN: the norms as the update left them,
+    what fairseq-train did) show that the update changed them; fairseq-train itself now
+    refuses to train the plugin's model under --fp16."""
+    summary = fairseq_python("tests/fairseq_checks.py", "skipped-update", str(synthetic_data))
+    assert "train with `python -m plugins.fairseq.train`" in summary["fairseq_train"]
+    for norm in STATEFUL:
+        guarded = summary[f"{norm}/guarded"]
+        assert guarded["updates"] == 3, (norm, guarded)  # fairseq skipped the 4th
+        assert guarded["scale"] == [64, 32]  # and its scaler backed off
+        assert guarded["steps_before"] == (None if norm == "bn" else 3)
+        assert guarded["unchanged"], (norm, guarded)
+    for norm in ("un", "prepbn"):
+        control = summary[f"{norm}/control"]
+        assert control["updates"] == 3 and not control["unchanged"], (norm, control)
+
+
+def test_fairseqs_loss_scale_does_not_reach_the_norms(synthetic_data):
+    """UN, MABN and PN trained under --fp16 from loss scales 4 and 512, two micro-batches per
+    update: their gradient statistics agree (kept in unscaled units) to fp16's rounding of
+    the gradients; the control, UN told no scale, is 128x apart. The norms count
+    micro-batches: 6 steps in 3 updates."""
+    summary = fairseq_python("tests/fairseq_checks.py", "loss-scale", str(synthetic_data))
+    for norm in ("un", "mabn", "pn"):
+        guarded = summary[f"{norm}/guarded"]
+        assert guarded["difference"] < 5e-2, (norm, guarded)
+        assert guarded["updates"] == 3 and guarded["steps"] == 6, (norm, guarded)
+    assert summary["un/control"]["difference"] > 100  # psi in scaled units: 128x apart
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_as_init_from(synthetic_data, tmp_path):
+    """init_from= a file whose pickle runs a command: refused, naming the file and the
+    opt-in, before fairseq (whose torch.load would run it) sees it."""
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": _RunsCommand(f"touch {marker}")}, evil)
+    torch.load(evil, weights_only=False)
+    assert marker.exists()  # the payload is live
+    marker.unlink()
+    overrides = ["+exp=iwslt14_un", "scale=cpu", "device=cpu", "logger=none", f"init_from={evil}"]
+    with pytest.raises(UnsafeCheckpoint, match=rf"init_from: {re.escape(str(evil))} .*trust_checkpoint=true"):
+        launcher.train(config(*overrides), tmp_path / "run", overrides)
+    assert not marker.exists() and not (tmp_path / "run" / "train.log").exists()
+
+
+class _RunsCommand:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_fine_tuning_from_a_translation_run(learned, tmp_path, monkeypatch):
+    """init_from= the UN run's checkpoint with reset_norm_steps=true and two micro-batches per
+    update: training starts from its weights (the first loss is the trained model's), the
+    norms' counters restart and count micro-batches (2 per update), and the run's logger
+    receives fairseq's records."""
+    logged = []
+
+    class Recorder:
+        def log(self, metrics, step):
+            logged.append((step, metrics))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(launcher, "make_logger", lambda *args, **kwargs: Recorder())
+    source = Path(learned["un"]["run_dir"]) / "checkpoints" / "checkpoint_last.pt"
+    overrides = ["+exp=iwslt14_un", "scale=cpu", "device=cpu", f"init_from={source}",
+                 "reset_norm_steps=true", "recipe.train.update_freq=2", "recipe.cpu.train.max_epoch=1",
+                 "recipe.cpu.average_last=1"]
+    result = launcher.train(config(*overrides), tmp_path / "run", overrides)
+    assert result["status"] == "ok" and result["update_freq"] == 2 and result["init"] == str(source)
+    assert result["steps"] == 21  # one epoch: 42 micro-batches
+    state = fairseq_python("tests/fairseq_checks.py", "norm-state",
+                           str(tmp_path / "run" / "checkpoints" / "checkpoint_last.pt"))
+    assert state["num_iters"] == [2 * result["steps"]]  # not 336 + 42: the counters restarted
+    scratch = update_losses((Path(learned["un"]["run_dir"]) / "train.log").read_text())
+    tuned = update_losses((tmp_path / "run" / "train.log").read_text())
+    first, untrained, trained = float(tuned[1][0]), float(scratch[1][0]), float(scratch[max(scratch)][0])
+    assert first < untrained - 3 and first < trained + 0.5
+    inner = {step: metrics for step, metrics in logged if "train_inner/loss" in metrics}
+    assert sorted(inner) == list(range(1, 22)) and inner[1]["train_inner/loss"] == first
+    valid = [metrics for _, metrics in logged if "valid_loss" in metrics]
+    assert valid[-1]["valid_loss"] == result["metrics"]["valid_loss"]
+
+
 def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path):
     """Killed after epoch 2, resumed with resume=<run dir>: fairseq restores checkpoint_last.pt
-    and every later update's loss equals the uninterrupted run's."""
+    and every later update's loss equals the uninterrupted run's. The default logger, wandb
+    offline, logs both parts into one wandb run in the run directory."""
     args = [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "scale=cpu", "device=cpu"]
     run = tmp_path / "run"
     process = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=ROOT, start_new_session=True,
@@ -253,6 +470,8 @@ def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path)
     reference = update_losses((Path(learned["un"]["run_dir"]) / "train.log").read_text())
     assert min(after) == int(loaded[-1][1]) + 1 and max(after) == result["steps"]
     assert after == {update: reference[update] for update in after}
+    wandb_runs = {path.name for path in (run / "wandb").glob("offline-run-*/run-*.wandb")}
+    assert len(wandb_runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
 
 
 @pytest.mark.parametrize("overrides, reason", [

@@ -413,21 +413,6 @@ def test_half_precision_inputs_up_to_1e4(name, dtype):
     assert all(torch.isfinite(p.grad).all() for p in norm.parameters())
 
 
-@pytest.mark.parametrize("name", unnorm.available_norms())
-def test_autocast_keeps_statistics_in_float32(name):
-    norm = unnorm.build_norm(name, C)
-    layer = torch.nn.Linear(C, C)
-    x = torch.randn(SHAPE) * 1e3
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = layer(x)
-        y = norm(h)
-    assert h.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
-    y.float().sum().backward()
-    assert torch.isfinite(layer.weight.grad).all()
-    for buffer in norm.buffers():
-        assert buffer.dtype in (torch.float32, torch.long)
-
-
 def test_released_checkpoint_names_load_and_reproduce_eval():
     gen = torch.Generator().manual_seed(4)
     released = {

@@ -2,17 +2,23 @@
 is honoured or refused."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 import unnorm
+from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
 from plugins.scale import effective_config
-from plugins.timm.trainer import train
+from plugins.timm import model_from_config
+from plugins.timm.trainer import classifier_prefix, train
+from plugins.training import load_weights, run_task
 from test_norms import SHAPE, make_sequence, random_affine
 from test_vision import QUICK, ROOT, config, run_script
 
@@ -38,7 +44,7 @@ def train_step(norm, x, dy, pad=PAD):
     x = x.clone().requires_grad_(True)
     for p in norm.parameters():
         p.grad = None
-    y = norm(x, pad)
+    y = norm(x) if pad is None else norm(x, pad)
     y.backward(dy)
     return [y.detach(), x.grad] + [p.grad.clone() for p in norm.parameters()]
 
@@ -57,12 +63,15 @@ def bad_step(norm, kind, x, dy):
         dy[0, 1, 3] = float("inf")
     elif kind == "empty_batch":
         return train_step(norm, x[:0], dy[:0], PAD[:0])
+    elif kind == "empty_batch_unmasked":  # BN's fused kernel refuses no rows
+        return train_step(norm, x[:0], dy[:0], None)
     elif kind == "all_padding":
         return train_step(norm, x, dy, torch.ones_like(PAD))
     return train_step(norm, x, dy)
 
 
-@pytest.mark.parametrize("kind", ["nan_batch", "inf_gradient", "empty_batch", "all_padding"])
+@pytest.mark.parametrize("kind", ["nan_batch", "inf_gradient", "empty_batch", "empty_batch_unmasked",
+                                  "all_padding"])
 @pytest.mark.parametrize("name", list(STATEFUL))
 def test_a_bad_step_changes_no_state_and_the_next_steps_train_as_without_it(name, kind):
     clean, hit = build(name), build(name)
@@ -95,47 +104,6 @@ def test_rejections_are_counted_per_layer_and_tapped():
     for layer in ("0", "1"):
         assert chunk[layer]["rejected"].tolist() == [False, True, False]
     assert [int(m.num_rejected) for m in model] == [1, 1]
-
-
-class _InfGradient(torch.autograd.Function):
-    """Identity whose backward returns inf: a loss-scaled gradient that overflowed."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
-def test_an_amp_step_the_grad_scaler_skips_leaves_the_norms_unchanged():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(C, C), build("un"), torch.nn.Linear(C, C),
-                                build("bn"), torch.nn.Linear(C, C), build("prepbn"),
-                                torch.nn.Linear(C, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    norms = [m for m in model if isinstance(m, unnorm.GuardedNorm)]
-    for t, x in enumerate(make_sequence(12)[0]):
-        before = [state(m) for m in norms]
-        weights = [p.detach().clone() for p in model.parameters()]
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().square().mean()
-        if t == 8:
-            loss = _InfGradient.apply(loss)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        if t == 8:
-            assert scaler.get_scale() < scale  # the scaler saw the overflow and skipped
-            assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
-            for norm, saved in zip(norms, before):
-                assert all(torch.equal(state(norm)[k], v) for k, v in saved.items())
-                assert int(norm.num_rejected) == 1
-    assert all(int(n.num_iters) == 11 for n in norms if hasattr(n, "num_iters"))
 
 
 def test_training_steps_read_nothing_back_from_the_device_even_when_rejected(monkeypatch):
@@ -248,6 +216,15 @@ def test_a_resume_with_other_options_is_refused_and_writes_nothing(interrupted_r
     assert _files(interrupted_run) == before
 
 
+def test_resuming_a_finished_run_with_other_options_is_refused(finished_run):
+    """Nothing would run, so the changed option would be dropped without a word."""
+    before = _files(finished_run)
+    with pytest.raises(ValueError, match=r"refusing to resume .*norm\.momentum \(0\.9 -> 0\.5\)"):
+        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", "norm.momentum=0.5",
+                     f"resume={finished_run}"), finished_run)
+    assert _files(finished_run) == before
+
+
 def test_a_damaged_checkpoint_names_the_file_and_the_fallback(interrupted_run):
     last = interrupted_run / "last.pt"
     last.write_bytes(last.read_bytes()[:1000])
@@ -276,6 +253,109 @@ def test_files_that_are_not_checkpoints_are_refused_naming_the_option(tmp_path):
     text.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="init_from: .*notes.txt is not a readable checkpoint"):
         train(config("+exp=swin_t_un", *QUICK, f"init_from={text}"), tmp_path / "a")
+
+
+def _checkpoint_model(run: Path, *overrides: str):
+    """The model of ``run``'s config, with ``overrides`` (dotted keys) changed."""
+    cfg = OmegaConf.create(load_checkpoint(run / "last.pt")["config"])
+    for override in overrides:
+        key, value = override.split("=")
+        OmegaConf.update(cfg, key, yaml.safe_load(value))
+    return model_from_config(cfg)
+
+
+def test_init_from_names_every_tensor_that_does_not_fit(finished_run, tmp_path):
+    """Only the classifier, named as such, may stay new; any other tensor of another shape is
+    refused by name, and a norm's windows of another length by the norm's own check."""
+    last = finished_run / "last.pt"
+    saved = load_checkpoint(last)["model"]
+    model = _checkpoint_model(finished_run, "data.num_classes=5")  # another task's classes
+    head = classifier_prefix(model)
+    with pytest.raises(ValueError, match=rf"{head}weight \(10, \d+\) there, \(5, \d+\) here"):
+        load_weights(model, str(last), reset_steps=False)
+    described = load_weights(model, str(last), reset_steps=False, resizable=[head])
+    assert described == f"{last} (new: ['{head}bias', '{head}weight'])"
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items() if not k.startswith(head))
+
+    widened = dict(saved)
+    key = next(k for k in saved if k.endswith("mlp.fc1.weight"))
+    widened[key] = torch.zeros(saved[key].shape[0] + 1, saved[key].shape[1])
+    other = tmp_path / "other.pt"
+    torch.save({"model": widened}, other)
+    with pytest.raises(ValueError, match=rf"{key} \({saved[key].shape[0] + 1}, "):
+        load_weights(_checkpoint_model(finished_run), str(other), False, resizable=[head])
+
+    with pytest.raises(ValueError, match="norm.window_size=4"):  # UN's own check
+        load_weights(_checkpoint_model(finished_run, "norm.window_size=6"), str(last), False,
+                     resizable=[head])
+
+
+class _RunsCode:
+    """Pickles into a call of ``os.system``: what a malicious checkpoint can hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_naming_the_file_and_the_opt_in(
+        interrupted_run, tmp_path, monkeypatch):
+    marker = tmp_path / "code_ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": _RunsCode(marker)}, evil)
+    with pytest.raises(UnsafeCheckpoint, match=rf"init_from: {evil} holds .*trust_checkpoint=true"):
+        train(config("+exp=swin_t_un", *QUICK, f"init_from={evil}"), tmp_path / "a")
+    (interrupted_run / "last.pt").write_bytes(evil.read_bytes())
+    with pytest.raises(UnsafeCheckpoint, match=rf"resume: {interrupted_run / 'last.pt'} holds .*"
+                                               "trust_checkpoint=true"):
+        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", f"resume={interrupted_run}"),
+              interrupted_run)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import cka
+    import fold
+    for script, arguments in ((cka, [evil, evil]), (fold, [evil])):
+        with pytest.raises(UnsafeCheckpoint, match=rf"{evil} holds .*--trust-checkpoint"):
+            script.main([str(path) for path in arguments])
+    assert not marker.exists()
+
+
+def test_trusted_checkpoints_load_whatever_they_hold(finished_run, tmp_path):
+    """The opt-in works: a checkpoint with a foreign object (an old run's argparse args)."""
+    old = tmp_path / "old.pt"
+    torch.save({**load_checkpoint(finished_run / "last.pt"), "args": argparse.Namespace(lr=0.1)}, old)
+    model = _checkpoint_model(finished_run)
+    with pytest.raises(UnsafeCheckpoint, match="trust_checkpoint=true"):
+        load_weights(model, str(old), False)
+    assert load_weights(model, str(old), False, trusted=True) == str(old)
+
+
+def test_our_checkpoints_load_without_running_their_pickle(finished_run):
+    """Everything a run saves (model, optimizer, timm's scheduler, collapse state, every
+    replica's RNG states with numpy's, the config) loads with ``weights_only=True``."""
+    state = load_checkpoint(finished_run / "last.pt")
+    assert {"model", "optimizer", "scheduler", "collapse", "rng", "config"} <= state.keys()
+    assert state["rng"][0]["numpy"][0] == "MT19937" and state["scheduler"]["t_initial"] > 0
+    with pytest.raises(Exception, match="[Ww]eights.only"):  # numpy's types are allowed by name
+        torch.load(finished_run / "last.pt", weights_only=True)
+
+
+def test_compile_true_makes_a_fall_back_to_eager_an_error(tmp_path):
+    """Past dynamo's recompile limit, compiled code would run eager without a word."""
+    def recompiling(cfg, out_dir, world, meta):
+        double = torch.compile(lambda x: 2 * x, dynamic=False, backend="eager")
+        for size in range(1, 12):  # a new shape, a new graph, each call
+            double(torch.ones(size))
+        return {"status": "ok"}
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="compile=true: dynamo reached its recompile limit.*"
+                                           "compile=false"):
+        run_task(recompiling, config("+exp=swin_t_un", "scale=cpu", "compile=true"), tmp_path)
+    torch._dynamo.reset()
+    assert run_task(recompiling, config("+exp=swin_t_un", "scale=cpu"), tmp_path) == {"status": "ok"}
+    torch._dynamo.reset()
 
 
 def test_the_package_metadata_uses_an_spdx_license():

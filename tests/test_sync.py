@@ -1,4 +1,6 @@
-"""``sync_stats``: two gloo replicas with batch b each equal one process with batch 2b."""
+"""Norm state across data-parallel replicas, on two gloo processes, every replica checked:
+``sync_stats`` (two replicas with batch b each equal one process with batch 2b) and
+``distribute_norm_state`` (the replicas' states made one before evaluating and saving)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +15,8 @@ import unnorm
 
 NORMS = {"un": {"warmup_iters": 4, "outlier_filtration": True, "window_size": 2},
          "mabn": {"warmup_iters": 4, "window_size": 2}, "pn": {"warmup_iters": 4},
-         "bn": {}}
+         "pn_ls": {"warmup_iters": 4, "group_num": 5}, "bn": {},
+         "prepbn": {"warmup_iters": 2, "decay_iters": 4}}
 STEPS, C = 8, 5
 
 
@@ -27,6 +30,7 @@ def _batches():
 
 
 def _run(norm, xs, dys, pad, rows):
+    """Per step: output, input gradient, weight gradient and the norm's state after it."""
     outputs = []
     for x, dy in zip(xs, dys):
         x = x[rows].clone().requires_grad_(True)
@@ -34,20 +38,31 @@ def _run(norm, xs, dys, pad, rows):
             p.grad = None
         y = norm(x, pad[rows])
         y.backward(dy[rows])
-        outputs.append((y.detach(), x.grad.clone(), norm.weight.grad.clone()))
+        state = {k: v.clone() for k, v in norm.state_dict().items()}
+        outputs.append((y.detach(), x.grad.clone(), norm.weight.grad.clone(), state))
     return outputs
 
 
-def _replica(rank, port, name, out_dir):
+def _replica(rank, port, out_dir):
+    """One of two replicas: every norm trained with ``sync_stats`` on its half of each batch,
+    then differing norm states made one by each ``distribute_norm_state`` mode."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    norm = unnorm.build_norm(name, C, sync_stats=True, **NORMS[name])
-    xs, dys, pad = _batches()
-    outputs = _run(norm, xs, dys, pad, slice(2 * rank, 2 * rank + 2))
-    for y, dx, dw in outputs:  # DDP would average parameter gradients: sum them here
-        dist.all_reduce(dw)
-    torch.save((outputs, norm.state_dict()), f"{out_dir}/rank{rank}.pt")
+    synced = {}
+    for name, options in NORMS.items():
+        torch.manual_seed(0)
+        norm = unnorm.build_norm(name, C, sync_stats=True, **options)
+        outputs = _run(norm, *_batches(), slice(2 * rank, 2 * rank + 2))
+        for _, _, dw, _ in outputs:  # DDP would average parameter gradients: sum them here
+            dist.all_reduce(dw)
+        synced[name] = outputs
+    distributed = {}
+    for mode in unnorm.NORM_SYNC_MODES:
+        model = _diverged_model(rank)
+        unnorm.distribute_norm_state(model, mode)
+        distributed[mode] = model.state_dict()
+    torch.save({"synced": synced, "distributed": distributed}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -57,20 +72,70 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> list[dict]:
+    """What each of two gloo replicas saw (one pair of processes for the whole module)."""
+    out = tmp_path_factory.mktemp("replicas")
+    mp.start_processes(_replica, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+
+
 @pytest.mark.parametrize("name", NORMS)
-def test_synced_replicas_equal_one_process_with_the_whole_batch(name, tmp_path):
-    mp.start_processes(_replica, args=(_free_port(), name, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
-    results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)}
+def test_synced_replicas_equal_one_process_with_the_whole_batch(name, replicas):
+    """Every replica, at every step: outputs, gradients and the whole norm state."""
     single = unnorm.build_norm(name, C, **NORMS[name])
-    xs, dys, pad = _batches()
-    whole = _run(single, xs, dys, pad, slice(0, 4))
-    for step, (y, dx, dw) in enumerate(whole):
+    whole = _run(single, *_batches(), slice(0, 4))
+    for step, (y, dx, dw, state) in enumerate(whole):
         for rank in range(2):
-            y_r, dx_r, dw_r = results[rank][0][step]
+            y_r, dx_r, dw_r, state_r = replicas[rank]["synced"][name][step]
             rows = slice(2 * rank, 2 * rank + 2)
             torch.testing.assert_close(y_r, y[rows], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(dx_r, dx[rows], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(dw_r, dw, rtol=1e-4, atol=1e-5)
-    for key, value in single.state_dict().items():
-        torch.testing.assert_close(results[0][1][key], value, rtol=1e-5, atol=1e-6)
+            for key, value in state.items():
+                torch.testing.assert_close(state_r[key], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"step {step}, rank {rank}: {key}")
+
+
+def _diverged_model(rank):
+    """A UN, a BN and a PRepBN trained on this replica's own batches: every kind of buffer
+    (windows, running statistics, EMAs, step and rejection counters) differs by rank."""
+    model = torch.nn.Sequential(*(unnorm.build_norm(name, C, **NORMS[name])
+                                  for name in ("un", "bn", "prepbn")))
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3 + 2 * rank):
+        x = torch.randn(6, C, generator=gen) * (1 + rank)
+        if rank == 1 and step == 1:
+            x[0, 0] = float("nan")  # a step that rank 1's norms reject
+        model(x.requires_grad_(True)).backward(torch.randn(6, C, generator=gen))
+    return model
+
+
+def test_distributing_the_norm_state_makes_every_replica_equal(replicas):
+    seen = [replica["distributed"] for replica in replicas]
+    models = [_diverged_model(rank) for rank in range(2)]
+    own = [model.state_dict() for model in models]
+    buffers = [name for name, _ in models[0].named_buffers()]
+    assert {name.split(".", 1)[1] for name in buffers} == {
+        "fwd_buffer", "bwd_buffer", "running_var", "ema_grad", "num_skipped", "num_iters",
+        "num_rejected", "running_mean"}
+    for key in buffers:
+        assert not torch.equal(own[0][key], own[1][key]) or key.endswith("num_skipped"), key
+        want = {"reduce": (own[0][key] + own[1][key]) / 2 if own[0][key].is_floating_point()
+                else own[0][key], "broadcast": own[0][key]}
+        for mode, value in want.items():
+            for rank in range(2):
+                torch.testing.assert_close(seen[rank][mode][key], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"{mode}, rank {rank}: {key}")
+    for key, _ in models[0].named_parameters():  # DDP's business: left alone
+        for rank in range(2):
+            assert torch.equal(seen[rank]["reduce"][key], own[rank][key]), key
+
+
+def test_one_process_keeps_its_norm_state_and_a_bad_mode_names_both():
+    model = _diverged_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    unnorm.distribute_norm_state(model, "reduce")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match="norm_sync='mean'.*reduce.*broadcast"):
+        unnorm.distribute_norm_state(model, "mean")

@@ -2,6 +2,8 @@
 collapse, folding of timm models."""
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import signal
@@ -14,10 +16,12 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import unnorm
+from plugins.checkpoints import load_checkpoint
 from plugins.runlog import CollapseDetector, TrainingCollapsed
 from plugins.timm import fold_model, fold_plan, model_from_config
 from plugins.timm.data import DigitsDataset, build_datasets
@@ -48,7 +52,7 @@ def test_every_norm_trains_both_models(model, norm, tmp_path):
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["metrics"] == result["metrics"] and saved["scale"] == "cpu"
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "last.pt").exists()
-    checkpoint = torch.load(tmp_path / "last.pt", weights_only=False)
+    checkpoint = load_checkpoint(tmp_path / "last.pt")
     model_norms = [m for m in model_from_config(OmegaConf.create(checkpoint["config"])).modules()
                    if isinstance(m, unnorm.ChannelNorm)]
     assert model_norms and all(type(m) is type(unnorm.build_norm(norm, 8)) for m in model_norms)
@@ -77,7 +81,7 @@ def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    saved = torch.load(killed / "last.pt", weights_only=False)
+    saved = load_checkpoint(killed / "last.pt")
     assert not (killed / "result.json").exists(), "the run finished before it was killed"
     resumed = run_script(*args, f"resume={killed}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -97,16 +101,148 @@ def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5), key
 
 
-def test_two_process_ddp_with_synced_statistics(tmp_path):
+# --- several processes: two gloo replicas, every replica checked ---------------------------------
+
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = run_script("-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                      "scripts/train.py", "+exp=swin_t_un", *QUICK, "norm.sync_stats=true",
-                      f"hydra.run.dir={tmp_path}", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["status"] == "ok" and result["world_size"] == 2
+        return probe.getsockname()[1]
+
+
+def named_norm_state(model) -> dict[str, torch.Tensor]:
+    """A copy of every buffer of every norm with running state, by name."""
+    return {f"{name}.{key}": buffer.clone() for name, module in model.named_modules()
+            if isinstance(module, unnorm.GuardedNorm)
+            for key, buffer in module.named_buffers(recurse=False)}
+
+
+# what each trainer evaluates, recorded at the call that scores it: (function, argument index)
+EVALUATED = {"plugins.timm.trainer": ("accuracy", 0),  # the logits of a batch
+             "plugins.torchvision.trainer": ("coco_evaluate", 1)}  # every replica's detections
+
+
+def ddp_replica(rank, ports, trainer, runs, out_dir, every_step):
+    """Replica ``rank`` of two running ``trainer``'s ``train`` as under torchrun (gloo), for
+    each ``(overrides, run directory)`` of ``runs`` in turn. Saves ``out_dir/rank<r>.pt``, per
+    run: per evaluation, the norm state the replica evaluated with and what it scored
+    (``EVALUATED``); with ``every_step``, its norm state after every optimizer step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    module = importlib.import_module(trainer)
+    records, models = [], []
+
+    def wrap(name, before=None, after=None):
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def wrapped(*args, **kwargs):
+            if before:
+                before(*args)
+            value = original(*args, **kwargs)
+            if after:
+                after()
+            return value
+        setattr(module, name, wrapped)
+
+    evaluated, index = EVALUATED[trainer]
+    wrap("data_parallel", before=lambda model, *_: models.append(model))
+    wrap("evaluate", before=lambda model, *_: records[-1]["eval"].append(
+        {"state": named_norm_state(model), "outputs": []}))
+    wrap(evaluated, before=lambda *args: records[-1]["eval"][-1]["outputs"].append(args[index]))
+    if every_step:
+        wrap("optimizer_step", after=lambda: records[-1]["step"].append(named_norm_state(models[-1])))
+    try:
+        for port, (overrides, run_dir) in zip(ports, runs):
+            os.environ["MASTER_PORT"] = str(port)
+            records.append({"eval": [], "step": []})
+            module.train(config(*overrides), Path(run_dir))
+    finally:
+        torch.save(records, Path(out_dir) / f"rank{rank}.pt")
+
+
+def two_replicas(trainer, runs: list[tuple[list[str], Path]], out_dir: Path,
+                 every_step=False) -> list[list[dict]]:
+    """Per run of ``runs``, each replica's records (``ddp_replica``): ``[run][rank]``."""
+    out_dir.mkdir(parents=True)
+    mp.start_processes(ddp_replica, args=([free_port() for _ in runs], trainer,
+                                          [(list(o), str(d)) for o, d in runs], str(out_dir),
+                                          every_step),
+                       nprocs=2, start_method="spawn")
+    per_rank = [load_checkpoint(out_dir / f"rank{rank}.pt") for rank in range(2)]
+    return [list(replicas) for replicas in zip(*per_rank)]
+
+
+def assert_states_equal(first: dict, second: dict, what: str, rtol=0.0, atol=0.0) -> None:
+    assert first.keys() == second.keys() and first, what
+    for key, value in first.items():
+        torch.testing.assert_close(second[key], value, rtol=rtol, atol=atol, msg=f"{what}: {key}")
+
+
+DDP_RUN = ["+exp=t2t_vit_14_un", "scale=cpu", "logger=none", "recipe.cpu.epochs=2",
+           "scale.max_steps_per_epoch=3", "recipe.cpu.model_ema.decay=0.9"]
+
+
+def test_ddp_replicas_score_and_save_one_norm_state_and_resume_alike(tmp_path):
+    """Per-replica statistics (the default): at every evaluation (model and EMA) both
+    replicas hold one norm state; last.pt, evaluated alone, gives the recorded top-1 and each
+    replica's logits; resumed after epoch 1, both replicas continue as without the kill."""
+    whole = tmp_path / "whole"
+    [replicas] = two_replicas("plugins.timm.trainer", [(DDP_RUN, whole)], tmp_path / "records")
+    result = json.loads((whole / "result.json").read_text())
+    assert result["status"] == "ok" and result["world_size"] == 2 and result["steps"] == 6
+    assert len(replicas[0]["eval"]) == len(replicas[1]["eval"]) == 4  # 2 epochs x (model, EMA)
+    for number, (first, second) in enumerate(zip(replicas[0]["eval"], replicas[1]["eval"])):
+        assert_states_equal(first["state"], second["state"], f"evaluation {number}")
+
+    saved = load_checkpoint(whole / "last.pt")
+    cfg = OmegaConf.create(saved["config"])
+    _, val_set = build_datasets(cfg.data, cfg.recipe.aug, cfg.model.img_size)
+    loader = torch.utils.data.DataLoader(val_set, batch_size=32)
+    targets = torch.cat([labels for _, labels in loader])
+    for key, weights, number in (("top1", "model", 2), ("top1_ema", "model_ema", 3)):
+        model = model_from_config(cfg).eval()
+        model.load_state_dict(saved[weights])
+        with torch.no_grad():
+            logits = torch.cat([model(images) for images, _ in loader])
+        top1 = 100 * (logits.argmax(-1) == targets).float().mean().item()
+        assert top1 == pytest.approx(result["metrics"][key], abs=1e-4), key
+        for rank in range(2):  # each replica scored items rank, rank + 2, ...
+            torch.testing.assert_close(torch.cat(replicas[rank]["eval"][number]["outputs"]),
+                                       logits[rank::2], rtol=1e-4, atol=1e-5)
+
+    killed = tmp_path / "killed"  # as a kill right after epoch 1's checkpoint leaves it
+    killed.mkdir()
+    (killed / "config.yaml").write_bytes((whole / "config.yaml").read_bytes())
+    (killed / "last.pt").write_bytes((whole / "previous.pt").read_bytes())
+    (killed / "metrics.jsonl").write_text((whole / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    [resumed] = two_replicas("plugins.timm.trainer", [([*DDP_RUN, f"resume={killed}"], killed)],
+                             tmp_path / "resumed_records")
+    for rank in range(2):
+        for number, (want, got) in enumerate(zip(replicas[rank]["eval"][2:], resumed[rank]["eval"])):
+            assert_states_equal(want["state"], got["state"], f"rank {rank}, evaluation {number}",
+                                rtol=1e-5, atol=1e-7)
+    again = json.loads((killed / "result.json").read_text())
+    for key in ("top1", "top5", "top1_ema", "train_loss"):
+        assert again["metrics"][key] == pytest.approx(result["metrics"][key], rel=1e-5), key
+
+
+def test_synced_statistics_agree_on_every_replica_at_every_step(tmp_path):
+    """``norm.sync_stats=true``: after every optimizer step, every replica's norms hold the
+    same state (UN's windows and EMAs, PRepBN's running statistics, every counter)."""
+    norms = ["un", "prepbn"]
+    runs = two_replicas("plugins.timm.trainer",
+                        [([f"+exp=swin_t_{norm}", *QUICK, "norm.sync_stats=true"], tmp_path / norm)
+                         for norm in norms], tmp_path / "records", every_step=True)
+    for norm, replicas in zip(norms, runs):
+        assert json.loads((tmp_path / norm / "result.json").read_text())["world_size"] == 2
+        steps = [replica["step"] for replica in replicas]
+        assert len(steps[0]) == len(steps[1]) == 3
+        for step, (first, second) in enumerate(zip(*steps)):
+            assert_states_equal(first, second, f"{norm}, step {step + 1}")
+        changed = [k for k, v in steps[0][0].items() if v.is_floating_point()
+                   and not torch.equal(v, steps[0][-1][k])]
+        assert any(k.endswith("running_var") for k in changed), norm  # the statistics moved
 
 
 def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):
@@ -141,6 +277,8 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path):
     assert proc.returncode != 0 and "window" in proc.stderr
     with pytest.raises(ValueError, match="valid options: .*window_size"):
         train(config("+exp=swin_t_un", *QUICK, "+norm.window=3"), tmp_path / "a")
+    with pytest.raises(ValueError, match="norm_sync='mean': choose reduce .* or broadcast"):
+        train(config("+exp=swin_t_un", *QUICK, "norm_sync=mean"), tmp_path / "a")
     with pytest.raises(FileNotFoundError, match="IMAGENET_ROOT"):
         train(config("+exp=swin_t_un", "logger=none", "data.root=/nonexistent"), tmp_path / "b")
     with pytest.raises(ValueError, match="init_from"):  # fine-tuning needs the ImageNet run
@@ -165,7 +303,7 @@ def test_finetuning_resets_norm_steps_and_scales_the_backbone_lr(tmp_path):
                                                    for p in group["params"])
     result = train(cfg, tmp_path / "fine")
     assert result["init"].startswith(str(tmp_path / "pre")) and result["status"] == "ok"
-    tuned = torch.load(tmp_path / "fine" / "last.pt", weights_only=False)["model"]
+    tuned = load_checkpoint(tmp_path / "fine" / "last.pt")["model"]
     steps = {k: int(v) for k, v in tuned.items() if k.endswith("num_iters")}
     assert steps and set(steps.values()) == {3}  # counted from 0 again, not 3 + 3
 

@@ -4,8 +4,11 @@
     norm = unnorm.build_norm("un", 384, window_size=4, outlier_filtration=True)
     unnorm.swap_norms(model, "un")            # every LayerNorm -> UN
     unnorm.fold_into_linear(norm, [qkv])      # after model.eval(): offline norms, DyT's affine
+    scaler = unnorm.GradScaler(model, "cuda")  # AMP loss scaling the norms do not see
 """
+from .amp import GradScaler, LossScaleGuard
 from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted
+from .distributed import NORM_SYNC_MODES, check_norm_sync, distribute_norm_state, norm_state
 from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
 from .fold import ChannelAffine, FoldedNorm, fold_into_linear, fold_norms, to_affine
@@ -31,11 +34,11 @@ def reset_steps(model) -> int:
 
 __all__ = [
     "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "norm_options",
-    "swap_norms",
+    "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "to_affine", "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
-    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN",
+    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "GradScaler", "LossScaleGuard",
 ]
 __version__ = "0.1.0"

@@ -28,6 +28,9 @@ class ChannelNorm(nn.Module):
     """
 
     offline: bool = False
+    #: the factor the loss was multiplied by in this update (a 0-dim float32 tensor shared by
+    #: the model's norms), set by ``unnorm.LossScaleGuard``; None: gradients are unscaled
+    loss_scale: Optional[torch.Tensor] = None
 
     def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
@@ -89,9 +92,15 @@ class ChannelNorm(nn.Module):
             return z
         if not z.requires_grad:
             z = z.detach().requires_grad_(True)
-        tap, z_value = self._tap, z.detach()  # detached: no graph -> hook -> z cycle
-        z.register_hook(lambda g: tap.record_grad(grad_channel_mean(g * z_value, valid)))
+        tap, z_value, scale = self._tap, z.detach(), self.loss_scale  # detached: no cycle
+        z.register_hook(lambda g: tap.record_grad(unscaled(grad_channel_mean(g * z_value, valid),
+                                                           scale)))
         return z
+
+
+def unscaled(grad_stat: torch.Tensor, loss_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """A gradient statistic in the units of the unscaled loss."""
+    return grad_stat if loss_scale is None else grad_stat / loss_scale
 
 
 class OfflineNorm(ChannelNorm):
@@ -110,21 +119,62 @@ class GuardedNorm(OfflineNorm):
     A training step computes its new state (buffers and counters) as candidates and commits
     them when the step's gradient reaches the norm, if the step is clean: its batch had a
     valid row and a finite statistic, and the gradient's statistic is finite. A *rejected*
-    step (an empty or all-padding batch, a NaN batch, an fp16 overflow that a GradScaler then
-    skips) leaves every buffer as it was, so the next clean step trains as if it had never
-    come; ``num_rejected`` counts such steps. A training forward that builds no graph
-    (no_grad, frozen weights) commits at once. Every decision is a
-    device-side ``torch.where``: no host read, no Python branch on data.
+    step (an empty or all-padding batch, a NaN batch, an fp16 overflow of its own gradient)
+    leaves every buffer as it was, so the next clean step trains as if it had never come;
+    ``num_rejected`` counts such steps. An update that a GradScaler skips for another
+    layer's overflow is taken back by ``unnorm.GradScaler`` (``unnorm.amp``). A training
+    forward that builds no graph (no_grad, frozen weights) commits at once; a reentrant
+    activation checkpoint's recomputation takes that back, so its step commits once. Every
+    decision is a device-side ``torch.where``: no host read, no Python branch on data.
 
     Committing in the backward also keeps compiled training exact: a buffer that the forward
     mutated could be re-read, already changed, where the backward recomputes from it.
     """
 
     _migrated = {"num_rejected": 0}  # buffers older checkpoints lack -> their starting value
+    _state_before_graphless_step: Optional[dict] = None
+    _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
     def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.register_buffer("num_rejected", torch.zeros((), dtype=torch.long, device=device))
+
+    def _apply(self, fn, recurse=True):
+        """Casting the module (``.half()``, ``.bfloat16()``, ``.to(dtype)``, as fairseq's
+        ``--fp16`` does) leaves the running statistics in float32, as apex's
+        ``keep_batchnorm_fp32``: a momentum-0.1 EMA stalls in bf16. The values are kept from
+        before the cast, not rounded through it."""
+        kept = {name: buffer for name, buffer in self._buffers.items()
+                if buffer is not None and buffer.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype in self._LOW_PRECISION:
+                self._buffers[name] = before.to(device=after.device, dtype=torch.float32)
+        return self
+
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self._state_before_graphless_step is not None and self.training and torch.is_grad_enabled():
+            self._take_back_graphless_step()
+        return super().forward(x, pad_mask)
+
+    def _take_back_graphless_step(self) -> None:
+        """Reentrant activation checkpointing runs a training forward twice: under no_grad,
+        then again inside the backward, building the graph. The first pass committed at once
+        (no backward comes for it); the second must see the state the first saw, and then
+        commits once, in its own backward."""
+        saved, self._state_before_graphless_step = self._state_before_graphless_step, None
+        if torch._C._current_graph_task_id() != -1:  # inside a backward: a recomputation
+            for name, value in saved.items():
+                self._buffers[name].copy_(value)
+
+    def _commit_without_graph(self, state: dict[str, torch.Tensor], accepted: torch.Tensor) -> None:
+        """Commit a training step that builds no graph (no_grad, frozen weights) at once,
+        remembering the state it replaced while grad mode is off (see above)."""
+        if not torch.is_grad_enabled():
+            self._state_before_graphless_step = {name: buffer.clone()
+                                                 for name, buffer in self._buffers.items()}
+        self._commit_step(state, accepted)
 
     def _commit_step(self, state: dict[str, torch.Tensor], clean: torch.Tensor) -> None:
         """Write each candidate ``state`` buffer if the step is clean; count a rejection."""
@@ -194,7 +244,7 @@ def commit_on_backward(out: torch.Tensor, norm: GuardedNorm, valid: Optional[tor
                        state: dict[str, torch.Tensor], accepted: torch.Tensor) -> torch.Tensor:
     """``out``, whose backward commits ``state`` (or at once when no backward will come)."""
     if not builds_graph(out):
-        norm._commit_step(state, accepted)
+        norm._commit_without_graph(state, accepted)
         return out
     return _CommitOnBackward.apply(out, norm, tuple(state), valid, accepted, *state.values())
 

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from .base import (StepCounted, builds_graph, channel_sum, channel_sum_sq, per_channel,
-                   replicas_active, statistic_ok, sum_over_replicas, upcast, zero_padding)
+                   replicas_active, statistic_ok, sum_over_replicas, unscaled, upcast,
+                   zero_padding)
 
 
 @dataclass
@@ -30,7 +31,8 @@ class StepPlan:
 
     ``step`` is this step's t (the counter plus one); ``r`` is None where the norm never
     compensates; ``skip`` is the outlier flag (None where the norm never filters);
-    ``state`` holds the candidate forward state, committed with the backward's.
+    ``state`` holds the candidate forward state, committed with the backward's;
+    ``loss_scale`` the factor the backward's gradient carries (None: unscaled).
     """
 
     step: torch.Tensor
@@ -39,6 +41,7 @@ class StepPlan:
     r: Optional[torch.Tensor] = None
     skip: Optional[torch.Tensor] = None
     state: dict = field(default_factory=dict)
+    loss_scale: Optional[torch.Tensor] = None
 
     def where_skipped(self, if_skipped: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
         return otherwise if self.skip is None else torch.where(self.skip, if_skipped, otherwise)
@@ -77,7 +80,7 @@ class EstimatedNorm(StepCounted):
         if builds_graph(rows, self.weight, self.bias):
             return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid)
         out, plan, accepted, _ = _forward_step(self, rows, self.weight, self.bias, valid)
-        self._commit_step(plan.state, accepted)  # no backward will come
+        self._commit_without_graph(plan.state, accepted)  # no backward will come
         return out
 
     def _plan_step(self, second_moment: torch.Tensor, step: torch.Tensor) -> StepPlan:
@@ -100,6 +103,7 @@ def _forward_step(norm: EstimatedNorm, rows, weight, bias, valid):
     second_moment = total / count.clamp_min(1)
     accepted = statistic_ok(total, count)
     plan = norm._plan_step(second_moment, norm.num_iters + 1)
+    plan.loss_scale = norm.loss_scale  # read in forward: the backward sees this step's scale
     # a rejected batch is normalised by the inference statistic (its own may be 0 or NaN)
     fallback = norm._inference_inv_std()
     plan.inv_std = torch.where(accepted, plan.inv_std, fallback)
@@ -147,7 +151,9 @@ class _EstimatedNormFunction(torch.autograd.Function):
             sum_sq = channel_sum(x.square())  # padded rows' z^2 too, as MaskPowerNorm's backward
             if synced:
                 (sum_sq,) = sum_over_replicas(sum_sq)
-        grad_stat = stat_dy_z * (upcast(weight) * r) / positions  # mean(g * z), g = dy w r
+        # mean(g * z), g = dy w r, in the unscaled loss's units: windows and EMAs never mix
+        # loss scales, and a GradScaler's growth or back-off leaves psi as it was
+        grad_stat = unscaled(stat_dy_z * (upcast(weight) * r) / positions, plan.loss_scale)
         if norm._tap is not None:
             norm._tap.record_grad(grad_stat)
         psi, state = norm._gradient_estimate(grad_stat, plan)
@@ -157,6 +163,8 @@ class _EstimatedNormFunction(torch.autograd.Function):
             state = {**state, **norm._corrected_gradient_state(grad_stat, psi, mean_z_sq)}
             clean = clean & torch.isfinite(mean_z_sq).all()
         norm._commit_step({**plan.state, **state}, clean)
+        if plan.loss_scale is not None:
+            psi = psi * plan.loss_scale  # back in the units of this step's (scaled) g
         # dx = (g - z * psi) * inv_std_bwd
         dx = (dy * per_channel(upcast(weight) * r * plan.inv_std_bwd)
               - x * per_channel(inv_std * psi * plan.inv_std_bwd))

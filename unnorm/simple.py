@@ -99,11 +99,12 @@ def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: fl
     """``(z, mean, var, count)``: rows standardised by the mean and biased variance of their
     valid rows (over every replica with ``sync``), differentiably.
 
-    Without padding or replicas this is torch's fused batch-norm kernel. Padded rows are
+    Without padding or replicas this is torch's fused batch-norm kernel (which refuses an
+    empty batch: that one takes the general path, and the caller rejects it). Padded rows are
     standardised too, but add no gradient to the statistics.
     """
     count = row_count(rows, valid)
-    if valid is None and not sync:
+    if valid is None and not sync and rows.shape[0] > 0:
         z, mean, inv_std = torch.native_batch_norm(rows, None, None, None, None, True, 0.0, eps)
         return z, mean.detach(), (inv_std.detach().square().reciprocal() - eps), count
     counted = rows if valid is None else zero_padding(rows, valid)

@@ -5,7 +5,8 @@ custom_imports = dict(imports=["plugins.mmdet"], allow_failed_imports=False)
 default_scope = "mmdet"
 
 norm_cfg = dict(type="UN", window_size=4, warmup_iters=4000, momentum=0.9,
-                outlier_filtration=True)  # UnnormLN, RMS, UnnormBN, MABN, PN, PN_LS, NoNorm, UN
+                outlier_filtration=True)  # UnnormLN, RMS, UnnormBN, MABN, PN, PN_LS, NoNorm, UN,
+# DyT, PRepBN. PN_LS's group_num=None: the number of attention heads of each norm's stage.
 pretrained = None  # our ImageNet Swin-T of the same norm: python -m plugins.mmdet.convert last.pt out.pth
 data_root = "data/coco/"
 with_mask = True
@@ -15,7 +16,7 @@ model = dict(
     data_preprocessor=dict(type="DetDataPreprocessor", mean=[123.675, 116.28, 103.53],
                            std=[58.395, 57.12, 57.375], bgr_to_rgb=True, pad_mask=True,
                            pad_size_divisor=32),
-    backbone=dict(type="SwinTransformer", embed_dims=96, depths=[2, 2, 6, 2],
+    backbone=dict(type="UnnormSwinTransformer", embed_dims=96, depths=[2, 2, 6, 2],
                   num_heads=[3, 6, 12, 24], window_size=7, mlp_ratio=4, qkv_bias=True,
                   qk_scale=None, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.2,
                   patch_norm=True, out_indices=(0, 1, 2, 3), with_cp=False,

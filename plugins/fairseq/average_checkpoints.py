@@ -3,9 +3,10 @@
 fairseq's ``scripts/average_checkpoints.py`` does this, but its PyPI package does not ship its
 ``scripts/``. This follows it: the N highest-numbered ``checkpoint<epoch>.pt``, floating-point
 tensors averaged, integer ones (the norms' step counters) floor-averaged, everything else from
-the newest checkpoint; the optimizer state is dropped (generation does not read it).
+the newest checkpoint; the optimizer state is dropped (generation does not read it). The
+checkpoints are read without running their pickle (``plugins.fairseq.checkpoints``).
 
-    python plugins/fairseq/average_checkpoints.py --inputs DIR --num-epoch-checkpoints N --output OUT
+    python -m plugins.fairseq.average_checkpoints --inputs DIR --num-epoch-checkpoints N --output OUT [--trusted]
 """
 import argparse
 import os
@@ -13,6 +14,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from plugins.fairseq.checkpoints import load
 
 
 def last_epoch_checkpoints(directory: Path, count: int) -> list:
@@ -27,10 +30,10 @@ def last_epoch_checkpoints(directory: Path, count: int) -> list:
     return [path for _, path in sorted(numbered)[-count:]]
 
 
-def average(paths: list) -> dict:
+def average(paths: list, trusted: bool = False) -> dict:
     total, newest = None, None
     for path in paths:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load(path, "averaging the last checkpoints", trusted)
         model = state["model"]
         if total is None:
             total = {k: v.double() if v.is_floating_point() else v.clone() for k, v in model.items()}
@@ -53,10 +56,11 @@ def main() -> None:
     parser.add_argument("--inputs", type=Path, required=True, help="the checkpoint directory")
     parser.add_argument("--num-epoch-checkpoints", type=int, required=True)
     parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--trusted", action="store_true", help="trust_checkpoint=true")
     args = parser.parse_args()
     paths = last_epoch_checkpoints(args.inputs, args.num_epoch_checkpoints)
     tmp = args.output.with_suffix(".tmp")
-    torch.save(average(paths), tmp)
+    torch.save(average(paths, args.trusted), tmp)
     os.replace(tmp, args.output)
     print(f"averaged {', '.join(p.name for p in paths)} -> {args.output}")
 

@@ -2,12 +2,32 @@
 
 fairseq 0.12.2 runs in its own Python 3.10 environment (``.venv-fairseq``, or the prefix in
 ``UNNORM_FAIRSEQ_ENV``); this module imports nothing of it. It prepares the data if needed,
-then runs fairseq's executables there as subprocesses: ``fairseq-train`` (JSON log; checkpoints
-in ``<run>/checkpoints``, so a rerun with ``resume=<run>`` continues from fairseq's own
-``checkpoint_last.pt``), the average of the last epoch checkpoints, ``fairseq-generate`` (beam
-search, BPE removed, sacrebleu) and ``fairseq-score`` (fairseq's tokenised BLEU, the paper's
-metric). Training losses read from the log feed the collapse test of the vision runs; a
-collapse, or fairseq stopping on NaN/Inf, ends the run as ``status: FAIL``.
+then runs there, as subprocesses: ``plugins.fairseq.train`` (fairseq-train with the norms'
+loss-scale guard; JSON log; checkpoints in ``<run>/checkpoints``, so a rerun with
+``resume=<run>`` continues from fairseq's own ``checkpoint_last.pt``), the average of the last
+epoch checkpoints, ``fairseq-generate`` (beam search, BPE removed, sacrebleu) and
+``fairseq-score`` (fairseq's tokenised BLEU, the paper's metric). Training losses read from
+the log feed the collapse test of the vision runs and the run's logger; a collapse, or
+fairseq stopping on NaN/Inf, ends the run as ``status: FAIL``.
+
+Settings of ``configs/train.yaml``, as translation takes them:
+
+* ``amp: true`` trains in half precision on CUDA with fairseq's ``--fp16`` (the model cast to
+  float16, the norms' statistics kept in float32, fairseq's dynamic loss scaler, which the
+  norms do not see: ``plugins.fairseq.train``); off CUDA it does nothing, as
+  ``plugins.training.amp_context``. fairseq 0.12.2 has no bfloat16 on GPUs (its ``--bf16``
+  implies ``--tpu``), so that flag is refused.
+* Step units: the norms count micro-batches (one forward/backward), as the releases do, so
+  every count derived from the run's length is in updates x ``update_freq``. The recipe's
+  ``update_freq`` is per GPU for ``recipe.gpus`` GPUs; on another number of GPUs the
+  launcher keeps GPUs x update_freq (the tokens of one update) as the recipe has it, unless
+  the command line sets ``recipe.train.update_freq``.
+* ``init_from`` fine-tunes from a translation run's checkpoint (``reset_norm_steps`` restarts
+  UN/MABN/PN step counters as ``unnorm.reset_steps`` does); ``logger`` receives fairseq's
+  records; ``compile``, ``record_statistics`` and ``scale.max_steps_per_epoch`` are refused.
+* Checkpoints given from outside (``init_from``, the ``resume`` directory's) are read without
+  running their pickle (``plugins.fairseq.checkpoints``) before fairseq loads them;
+  ``trust_checkpoint=true`` is the opt-in for files that need more.
 """
 from __future__ import annotations
 
@@ -23,19 +43,25 @@ from typing import Mapping, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from plugins.logger import make_logger
 from plugins.norms import fit_norm_to_run, norm_options
 from plugins.runlog import (METRICS_FILE, CollapseDetector, RunDirectory, TrainingCollapsed,
                             record_collapse, rejected_steps)
-from plugins.scale import effective_config
+from plugins.scale import command_line_values, effective_config, norm_steps_per_update
 
+from .checkpoints import REFUSALS
 from .data import prepare
 from .flags import norm_flags
 
 REPO = Path(__file__).resolve().parents[2]
 USER_DIR = Path(__file__).resolve().parent / "unnorm_fairseq"
 CHECKPOINT = "checkpoints/checkpoint_last.pt"  # what resume= looks for in a run directory
+INIT = "init.pt"  # init_from as fairseq starts from it (read safely, counters reset if asked)
 # fairseq's own ways of stopping on a numerical failure
 FAIRSEQ_FAILURES = ("Minimum loss scale reached", "gradients are Nan/Inf", "FloatingPointError")
+# fairseq-train's precision flags; amp=true chooses one itself
+PRECISION_FLAGS = ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16")
+TPU_ONLY_FLAGS = ("bf16", "memory_efficient_bf16")  # fairseq 0.12.2: --bf16 implies --tpu
 _LOG_RECORD = re.compile(r"\| (train_inner|train|valid) \| (\{.*\})\s*$")
 _BLEU = re.compile(r"BLEU4? = ([0-9.]+)")
 
@@ -55,13 +81,17 @@ class FairseqEnv:
     def bin(self, name: str) -> str:
         return str(self.prefix / "bin" / name)
 
+    def module(self, name: str) -> list[str]:
+        """The command that runs one of this checkout's modules there (``plugins.fairseq.train``)."""
+        return [self.bin("python"), "-m", name]
+
     @property
     def environ(self) -> dict:
-        # torch >= 2.6 loads checkpoints weights-only, which fairseq's checkpoints do not pass;
-        # one OpenMP thread unless asked otherwise (as torchrun does): spinning threads that
-        # share cores with anything else slow a small model several times over
-        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1",
-                "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+        # this checkout's unnorm and plugins first, whatever the environment installed; one
+        # OpenMP thread unless asked otherwise (as torchrun does): spinning threads that share
+        # cores with anything else slow a small model several times over
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
 def fairseq_flags(options: Mapping) -> list[str]:
@@ -81,8 +111,84 @@ def _container(node: Optional[DictConfig]) -> dict:
     return {} if node is None else OmegaConf.to_container(node, resolve=True)
 
 
-def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path) -> list[str]:
-    command = [env.bin("fairseq-train"), str(data), "--user-dir", str(USER_DIR),
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse, naming the fix, every setting translation cannot honour."""
+    for option in ("record_statistics", "compile"):
+        if cfg[option]:
+            raise ValueError(f"{option}=true is supported by classification and torchvision "
+                             "detection; drop it for translation (fairseq trains the model)")
+    if cfg.scale.max_steps_per_epoch:
+        raise ValueError("scale.max_steps_per_epoch: fairseq's epochs always cover the whole "
+                         "corpus; shorten a translation run with recipe.train.max_update (or "
+                         "max_epoch) instead")
+    if cfg.reset_norm_steps and not cfg.init_from:
+        raise ValueError("reset_norm_steps=true restarts the step counters of the weights that "
+                         "init_from loads; set init_from=<a translation run>/checkpoints/"
+                         "checkpoint_last.pt, or drop reset_norm_steps")
+    chosen = [key for key in PRECISION_FLAGS if cfg.recipe.train.get(key)]
+    tpu_only = [key for key in TPU_ONLY_FLAGS if key in chosen]
+    if tpu_only:
+        raise ValueError(f"recipe.train.{tpu_only[0]}: fairseq 0.12.2's --bf16 implies --tpu "
+                         "(torch_xla), which this project does not run; on GPUs train in half "
+                         "precision with amp=true (fairseq's --fp16)")
+    if cfg.amp and chosen:
+        raise ValueError(f"amp=true picks fairseq's precision itself (--fp16 on CUDA), and "
+                         f"recipe.train sets {', '.join(chosen)} too; set amp=false to train "
+                         "with the recipe's flag")
+
+
+def fairseq_device(cfg: DictConfig) -> str:
+    """``cuda`` or ``cpu``, as ``device`` (auto: CUDA when visible) resolves on this machine."""
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={cfg.device}: choose auto, cpu or cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu")
+    return "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def replicas(cfg: DictConfig, device: str) -> int:
+    """The processes fairseq trains with: one per visible GPU (its default), one on CPU."""
+    if device == "cpu":
+        return 1
+    return int(cfg.recipe.train.get("distributed_world_size") or torch.cuda.device_count())
+
+
+def fit_update_freq(cfg: DictConfig, given: DictConfig, overrides: Sequence[str],
+                    world: int) -> DictConfig:
+    """``cfg`` with ``update_freq`` for ``world`` GPUs: the recipe's ``update_freq`` is per GPU
+    for ``recipe.gpus`` GPUs (WMT14: 16 on 8), and an update keeps its tokens (GPUs x
+    update_freq micro-batches) on any other number. An ``update_freq`` set on the command
+    line (``given``'s ``overrides``) is kept as given."""
+    keys = {"recipe.train.update_freq", f"recipe.{cfg.scale.name}.train.update_freq"}
+    if keys & set(command_line_values(given, overrides)):
+        return cfg
+    recipe = cfg.recipe
+    micro_batches = recipe.train.update_freq * recipe.gpus
+    if micro_batches % world:
+        raise ValueError(
+            f"recipe {recipe.name} updates on {micro_batches} micro-batches ({recipe.train.update_freq} "
+            f"per GPU on {recipe.gpus} GPUs), which {world} GPUs cannot share evenly: train on a "
+            f"number of GPUs that divides {micro_batches} (CUDA_VISIBLE_DEVICES), or set "
+            "recipe.train.update_freq (per GPU) yourself")
+    cfg = cfg.copy()
+    cfg.recipe.train.update_freq = micro_batches // world
+    return cfg
+
+
+def run_length(cfg: DictConfig) -> int:
+    """The run's length in norm steps (micro-batches): updates x micro-batches per update
+    (0 when the recipe sets no ``max_update``)."""
+    return (cfg.recipe.train.max_update or 0) * norm_steps_per_update(cfg)
+
+
+def precision_flags(cfg: DictConfig, device: str) -> list[str]:
+    """``amp: true`` on CUDA: fairseq's ``--fp16`` (its loss scaler); nothing off CUDA."""
+    return ["--fp16"] if cfg.amp and device == "cuda" else []
+
+
+def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
+                  device: str = "cpu") -> list[str]:
+    command = [*env.module("plugins.fairseq.train"), str(data), "--user-dir", str(USER_DIR),
                "--task", "translation", "--source-lang", cfg.data.source_lang,
                "--target-lang", cfg.data.target_lang, "--arch", cfg.model.arch,
                *norm_flags(cfg.norm.name, norm_options(cfg.norm)), "--seed", str(cfg.seed),
@@ -94,13 +200,19 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path) 
     train = _container(cfg.recipe.train)
     train["lr"] = train["lr"] * cfg.lr_multiple
     command += fairseq_flags(_container(cfg.model.args)) + fairseq_flags(train)
-    return command + (["--cpu"] if cfg.device == "cpu" else [])
+    command += precision_flags(cfg, device)
+    if cfg.init_from:
+        command += ["--finetune-from-model", str(save_dir.parent / INIT)]
+    # one process on CPU: fairseq would otherwise spawn one per GPU it sees
+    return command + (["--cpu", "--distributed-world-size", "1"] if device == "cpu" else [])
 
 
 def run_training(command: Sequence[str], env: FairseqEnv, run: RunDirectory,
-                 detector: CollapseDetector) -> int:
-    """Run fairseq-train, copying its output to ``train.log`` and its epoch records to
-    ``metrics.jsonl`` and watching its losses; returns the last update logged.
+                 detector: CollapseDetector, logger) -> int:
+    """Run fairseq-train, copying its output to ``train.log``, its epoch records to
+    ``metrics.jsonl`` and every record to ``logger`` (``train_inner/...`` for the per-update
+    ones, at fairseq's ``log_interval``), and watching its losses; returns the last update
+    logged.
 
     Raises ``TrainingCollapsed`` (after stopping fairseq) on a collapse or on fairseq's own
     numerical failure, ``RuntimeError`` on any other failure.
@@ -122,8 +234,11 @@ def run_training(command: Sequence[str], env: FairseqEnv, run: RunDirectory,
                 if kind == "train_inner":
                     update = int(stats["num_updates"])
                     detector.update(update, torch.tensor(float(stats["loss"])))
+                    logger.log({f"train_inner/{k}": float(v) for k, v in stats.items()}, step=update)
                 else:
-                    run.log(kind=kind, **{k: float(v) for k, v in stats.items()})
+                    stats = {k: float(v) for k, v in stats.items()}
+                    run.log(kind=kind, **stats)
+                    logger.log(stats, step=int(stats[f"{kind}_num_updates"]))
             detector.check()
         finally:
             if process.poll() is None:  # a collapse, or the launcher interrupted: stop fairseq
@@ -161,19 +276,19 @@ def _run(command: Sequence[str], env: FairseqEnv, output: Optional[Path] = None)
     return result.stdout + result.stderr
 
 
-def evaluate(cfg: DictConfig, env: FairseqEnv, data: Path, run: RunDirectory) -> dict:
+def evaluate(cfg: DictConfig, env: FairseqEnv, data: Path, run: RunDirectory, device: str) -> dict:
     """Average the last epoch checkpoints, translate the test set with beam search, score it."""
     checkpoints = (run.path / "checkpoints").resolve()
     averaged = checkpoints / f"checkpoint_avg{cfg.recipe.average_last}.pt"
-    _run([env.bin("python"), str(Path(__file__).parent / "average_checkpoints.py"),
-          "--inputs", str(checkpoints), "--num-epoch-checkpoints", str(cfg.recipe.average_last),
-          "--output", str(averaged)], env)
+    _run([*env.module("plugins.fairseq.average_checkpoints"), "--inputs", str(checkpoints),
+          "--num-epoch-checkpoints", str(cfg.recipe.average_last), "--output", str(averaged),
+          *(["--trusted"] if cfg.trust_checkpoint else [])], env)
     command = [env.bin("fairseq-generate"), str(data), "--user-dir", str(USER_DIR),
                "--task", "translation", "--source-lang", cfg.data.source_lang,
                "--target-lang", cfg.data.target_lang, "--path", str(averaged),
                "--gen-subset", "test", "--scoring", "sacrebleu",
                *fairseq_flags(_container(cfg.recipe.generate))]
-    output = _run(command + (["--cpu"] if cfg.device == "cpu" else []), env,
+    output = _run(command + (["--cpu"] if device == "cpu" else []), env,
                   run.path / "generate-test.txt")
     bleu = _BLEU.findall(output)
     if not bleu:
@@ -198,15 +313,22 @@ def _generated(output: str) -> tuple[list[str], list[str]]:
     return [lines["H"][i] for i in order], [lines["T"][i] for i in order]
 
 
+def run_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[DictConfig, str, int]:
+    """The run's configuration as it trains on this machine, with its device and number of
+    processes: the scale applied, the settings checked, ``update_freq`` for the GPUs there
+    are, and the norm fitted to the run's length in norm steps."""
+    given, cfg = cfg, effective_config(cfg, overrides)
+    check_settings(cfg)
+    device = fairseq_device(cfg)
+    world = replicas(cfg, device)
+    cfg = fit_update_freq(cfg, given, overrides, world)
+    return fit_norm_to_run(cfg, run_length(cfg)), device, world
+
+
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train, average, translate and score one run; returns the ``result.json`` content."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg, overrides)
-    for option in ("record_statistics", "compile"):
-        if cfg[option]:
-            raise ValueError(f"{option}=true is supported by classification and torchvision "
-                             "detection; drop it for translation (fairseq trains the model)")
-    cfg = fit_norm_to_run(cfg, cfg.recipe.train.max_update or 0)
+    cfg, device, world = run_config(cfg, overrides)
     env = FairseqEnv()
     data = prepare(cfg.data, env.prefix)
     run = RunDirectory(Path(out_dir))
@@ -214,20 +336,34 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True), resuming=resumed)
     if finished is not None:
         return finished
+    trusted = bool(cfg.trust_checkpoint)
+    command = train_command(cfg, env, data, (run.path / "checkpoints").resolve(), device)
+    if resumed:  # fairseq unpickles checkpoint_last.pt: read it safely first
+        checkpoint_tool(env, "check", "resume", str(run.path / CHECKPOINT), trusted=trusted)
+    elif cfg.init_from:
+        checkpoint_tool(env, "init", "init_from", str(Path(cfg.init_from).resolve()),
+                        str((run.path / INIT).resolve()), trusted=trusted,
+                        extra=["--reset-norm-steps"] * bool(cfg.reset_norm_steps)
+                        + ["--", *command[len(env.module("plugins.fairseq.train")):]])
     meta = {**meta, "task": "translation", "exp": cfg.exp_name, "model": cfg.model.name,
             "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
             "norm_pad_mask": bool(cfg.model.norm_pad_mask), "seed": cfg.seed,
-            "scale": cfg.scale.name, "run_dir": str(run.path)}
-    command = train_command(cfg, env, data, (run.path / "checkpoints").resolve())
+            "scale": cfg.scale.name, "init": cfg.init_from or "scratch", "world_size": world,
+            "update_freq": cfg.recipe.train.update_freq, "run_dir": str(run.path)}
     print(f"{cfg.exp_name}: fairseq {cfg.model.arch} with {cfg.norm.name} on {cfg.data.name} "
-          f"(scale {cfg.scale.name}{', resuming' if resumed else ''}); log: {run.path / 'train.log'}")
+          f"(scale {cfg.scale.name}, {world} {device} process(es), update_freq "
+          f"{cfg.recipe.train.update_freq}{', resuming' if resumed else ''}); log: {run.path / 'train.log'}")
     (run.path / "train_command.txt").write_text(" ".join(command) + "\n")
     detector = CollapseDetector(**cfg.collapse)
+    logger = make_logger(cfg.logger, run.path, OmegaConf.to_container(cfg, resolve=True),
+                         name=f"{cfg.exp_name}-s{cfg.seed}")
     try:
-        update = run_training(command, env, run, detector)
+        update = run_training(command, env, run, detector, logger)
     except TrainingCollapsed as collapse:
         return record_collapse(run, collapse, {"train_loss": detector.last_loss},
-                               {**meta, **norm_rejections(env, run)})
+                               {**meta, **norm_rejections(env, run, trusted)})
+    finally:
+        logger.finish()
     last = _last_records(run)
     train_stats, valid_stats = last.get("train", {}), last.get("valid", {})
     steps = int(train_stats.get("train_num_updates", update))
@@ -235,21 +371,32 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
                "valid_loss": valid_stats.get("valid_loss", math.nan),
                "valid_nll_loss": valid_stats.get("valid_nll_loss", math.nan),
                "epoch": int(train_stats.get("epoch", 0)), "num_updates": steps,
-               **evaluate(cfg, env, data, run)}
+               **evaluate(cfg, env, data, run, device)}
     print(f"{cfg.exp_name}: BLEU {metrics['bleu']:.2f} (tokenised {metrics['bleu_tokenized']:.2f}) "
           f"after {steps} updates")
     return run.write_result(status="ok", metrics=metrics,
-                            meta={**meta, "steps": steps, **norm_rejections(env, run)})
+                            meta={**meta, "steps": steps, **norm_rejections(env, run, trusted)})
 
 
-def norm_rejections(env: FairseqEnv, run: RunDirectory) -> dict:
-    """``rejected_steps`` of the last checkpoint's norms (read in fairseq's environment, whose
-    checkpoints hold its own objects)."""
+def checkpoint_tool(env: FairseqEnv, action: str, option: str, *paths: str, trusted: bool = False,
+                    extra: Sequence[str] = ()) -> str:
+    """Run ``plugins.fairseq.checkpoints ACTION`` in fairseq's environment; its refusals come
+    back as they were raised there (``UnsafeCheckpoint``, ``ValueError``), naming ``option``."""
+    command = [*env.module("plugins.fairseq.checkpoints"), action, "--option", option, *paths,
+               *(["--trusted"] if trusted else []), *extra]
+    result = subprocess.run(command, capture_output=True, text=True, env=env.environ)
+    if result.returncode in REFUSALS:
+        raise REFUSALS[result.returncode](result.stderr.strip().splitlines()[-1])
+    if result.returncode != 0:
+        raise RuntimeError(f"plugins.fairseq.checkpoints {action} failed (exit {result.returncode}):\n"
+                           f"{(result.stdout + result.stderr)[-4000:]}")
+    return result.stdout
+
+
+def norm_rejections(env: FairseqEnv, run: RunDirectory, trusted: bool) -> dict:
+    """``rejected_steps`` of the last checkpoint's norms (read in fairseq's environment)."""
     checkpoint = run.path / CHECKPOINT
     if not checkpoint.exists():
         return rejected_steps({})
-    script = ("import json, sys, torch; state = torch.load(sys.argv[1], map_location='cpu', "
-              "weights_only=False)['model']; print(json.dumps({k: int(v) for k, v in state.items() "
-              "if k.endswith('.num_rejected')}))")
-    printed = _run([env.bin("python"), "-c", script, str(checkpoint)], env)
+    printed = checkpoint_tool(env, "rejections", "resume", str(checkpoint), trusted=trusted)
     return rejected_steps(json.loads(printed.strip().splitlines()[-1]))

@@ -5,9 +5,12 @@
 Keys are renamed to mmdet's layout (``stages``, ``attn.w_msa``, ``ffn.layers``); timm puts
 patch merging at the start of stage i+1 where mmdet puts it at the end of stage i; and the
 merged 4C channels are reordered from Swin's concatenation order to ``nn.Unfold``'s, for every
-per-channel tensor of the merging norm (weights and UN's buffers alike), as mmdet's own
-``swin_converter`` does for LayerNorm. Step counters are reset: UN, MABN and PN warm up again
-on the detection task, as the release does. The conversion itself is plain torch.
+per-channel tensor of the merging norm (weights and UN's buffers alike; PRepBN's and DyT's
+scalar ``alpha`` stay as they are), as mmdet's own ``swin_converter`` does for LayerNorm
+(PN_LS's layer-scale groups stay timm's: ``UnnormSwinTransformer``).
+Step counters are reset by ``unnorm.reset_steps`` on the classifier the checkpoint describes:
+UN, MABN and PN warm up again on the detection task, as the release does; PRepBN keeps its
+finished hand-over, as SLAB fine-tunes.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ import re
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+
+import unnorm
+from plugins.checkpoints import load_checkpoint
 
 _DROPPED = ("head.", "norm.")  # the classifier and its final norm
 _RENAMES = [(r"^patch_embed\.proj\.", "patch_embed.projection."),
@@ -25,7 +32,7 @@ _RENAMES = [(r"^patch_embed\.proj\.", "patch_embed.projection."),
             (r"^layers\.", "stages.")]
 
 
-def _unfold_order(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+def unfold_order(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """Reorder 4C channels from Swin's [x(0,0), x(1,0), x(0,1), x(1,1)] blocks to Unfold's
     channel-major order c*4 + (2*row + col)."""
     moved = tensor.movedim(dim, -1)
@@ -34,8 +41,9 @@ def _unfold_order(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return blocks.transpose(-1, -2).reshape(moved.shape).movedim(-1, dim)
 
 
-def timm_to_mmdet(state_dict: dict[str, torch.Tensor], reset_steps: bool = True) -> dict[str, torch.Tensor]:
-    """A timm SwinTransformer state dict as mmdet ``SwinTransformer`` weights, ``backbone.``-prefixed."""
+def timm_to_mmdet(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A timm SwinTransformer state dict as mmdet ``SwinTransformer`` weights, prefixed
+    ``backbone.`` (the layout only: values, step counters included, are carried over)."""
     converted = {}
     for key, value in state_dict.items():
         if key.startswith(_DROPPED):
@@ -44,17 +52,40 @@ def timm_to_mmdet(state_dict: dict[str, torch.Tensor], reset_steps: bool = True)
         if merging:
             stage, part, leaf = merging.groups()
             key = f"stages.{int(stage) - 1}.downsample.{part}.{leaf}"
+            merged = state_dict[f"layers.{stage}.downsample.reduction.weight"].shape[1]  # 4C
             if part == "reduction" and leaf == "weight":
-                value = _unfold_order(value, 1)
-            elif part == "norm" and value.ndim >= 1:
-                value = _unfold_order(value, -1)
+                value = unfold_order(value, 1)
+            elif part == "norm" and value.ndim >= 1 and value.shape[-1] == merged:
+                value = unfold_order(value, -1)
         else:
             for pattern, replacement in _RENAMES:
                 key = re.sub(pattern, replacement, key)
-        if reset_steps and key.endswith("num_iters"):
-            value = torch.zeros_like(value)
         converted["backbone." + key] = value
     return converted
+
+
+def convert_checkpoint(saved: dict, reset_steps: bool, ema: bool = True) -> dict[str, torch.Tensor]:
+    """mmdet Swin backbone weights from one of our classification checkpoints (``last.pt``:
+    its ``config`` describes the classifier): its EMA weights when it kept them and ``ema``,
+    step counters restarted by ``unnorm.reset_steps`` when ``reset_steps``."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    from plugins.timm import model_from_config
+
+    if not isinstance(saved, dict) or "model" not in saved or "config" not in saved:
+        raise ValueError("not a checkpoint of a classification run of ours (no 'model' and "
+                         "'config' entries): pass the last.pt of a swin_t run")
+    if saved["config"].get("task", "classification") != "classification":
+        raise ValueError(f"the checkpoint is of a {saved['config']['task']} run; the backbone "
+                         "comes from a classification run: pass the last.pt of a swin_t run")
+    classifier = model_from_config(OmegaConf.create(saved["config"]))
+    if not isinstance(classifier, SwinTransformer):
+        raise ValueError(f"the checkpoint holds a {type(classifier).__name__}; mmdet's backbone "
+                         "is a Swin: pass the last.pt of a swin_t run")
+    classifier.load_state_dict((ema and saved.get("model_ema")) or saved["model"])
+    if reset_steps:
+        unnorm.reset_steps(classifier)
+    return timm_to_mmdet(classifier.state_dict())
 
 
 def main() -> None:
@@ -63,10 +94,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--keep-steps", action="store_true", help="do not reset step counters")
     parser.add_argument("--no-ema", action="store_true", help="use the raw, not EMA, weights")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="unpickle the checkpoint without limits (only files you trust)")
     args = parser.parse_args()
-    saved = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
-    weights = (None if args.no_ema else saved.get("model_ema")) or saved["model"]
-    torch.save({"state_dict": timm_to_mmdet(weights, reset_steps=not args.keep_steps)}, args.out)
+    saved = load_checkpoint(args.checkpoint, trusted=args.trust_checkpoint,
+                            opt_in="--trust-checkpoint")
+    weights = convert_checkpoint(saved, reset_steps=not args.keep_steps, ema=not args.no_ema)
+    torch.save({"state_dict": weights}, args.out)
     print(f"wrote {args.out}: mmdet Swin backbone weights (init_cfg=dict(type='Pretrained', "
           f"checkpoint='{args.out}'))")
 

@@ -1,36 +1,70 @@
 """The mmdetection backend of ``scripts/train.py`` (``model.backend=mmdet``).
 
 The paper's configs in ``configs/mmdet`` are filled from the Hydra config (norm, data,
-schedule, scale) and run by mmengine's Runner; the run directory gets the same
+schedule, optimizer, scale) and run by mmengine's Runner; the run directory gets the same
 ``config.yaml``, ``metrics.jsonl`` and ``result.json`` as the torchvision backend, with COCO
 AP under the same names. Resume uses mmengine's own ``last_checkpoint``; a collapse (checked
 by our detector on every iteration's loss) ends the run with ``status: FAIL``.
+
+Conventions shared with the other trainers:
+
+- Several processes (``torchrun``): one distributed training on the process group of
+  ``plugins.training`` (gloo on CPU, nccl on GPU; mmengine's ``pytorch`` launcher), the
+  global batch split over the replicas, the norms' buffers per replica; after each training
+  epoch, before the checkpoint is saved and the model evaluated, the norms' state is made
+  identical across replicas (``norm_sync``), so the recorded AP is the one the checkpoint
+  gives. Rank 0 alone writes our records.
+- Step units: an mmengine iteration is one batch, one training step of every norm (with
+  ``accumulative_counts`` too), so the run's length in iterations is what
+  ``fit_norm_to_run`` gets.
+- ``device`` is honoured (mmengine alone would take any visible GPU); ``amp`` is bf16, or
+  fp16 with a loss scaler the norms do not see (``unnorm.GradScaler``), on CUDA, and nothing
+  elsewhere, as ``plugins.training.amp_context``; ``recipe.opt`` is timm's optimizer of that
+  name, as in the torchvision backend; ``scale.max_steps_per_epoch`` caps the batches of an
+  epoch; ``logger`` as everywhere (``plugins.logger``).
+- Checkpoints load with ``weights_only=True`` (``plugins.checkpoints``); mmengine's logged
+  values (``HistoryBuffer``s, whose pickle calls ``getattr``) are saved as plain lists and
+  rebuilt on resume. ``trust_checkpoint=true`` lifts that for files you trust (an mmengine
+  checkpoint written without this backend).
 """
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
-import os
+import math
 from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+from mmdet.datasets.samplers import AspectRatioBatchSampler
+from mmdet.registry import DATA_SAMPLERS
 from mmengine.config import Config
 from mmengine.hooks import Hook
-from mmengine.registry import HOOKS
+from mmengine.logging import HistoryBuffer
+from mmengine.model import MMDistributedDataParallel, is_model_wrapper
+from mmengine.registry import OPTIMIZERS
 from mmengine.runner import Runner
+from mmengine.runner.checkpoint import _load_checkpoint_to_model
 from omegaconf import DictConfig, OmegaConf
+from timm.optim import create_optimizer_v2
+from torch.nn.parallel import DistributedDataParallel
 
-from plugins.norms import fit_norm_to_run, norm_options
+import unnorm
+from plugins.checkpoints import load_checkpoint
+from plugins.logger import make_logger
+from plugins.norms import norm_options
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
-                            rejected_steps)
-from plugins.scale import effective_config
-from plugins.training import read_checkpoint, require_init
+                            rejected_steps, save_atomic)
+from plugins.training import Distributed, begin_run, read_checkpoint, require_init, run_task
 
 from . import norm_cfg
-from .convert import timm_to_mmdet
+from .convert import convert_checkpoint
 
 CHECKPOINT = "last_checkpoint"  # mmengine's pointer to the newest checkpoint
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "mmdet"
+TRUST_OPT_IN = "trust_checkpoint=true"
 _COCO_NAMES = {"mAP": "AP", "mAP_50": "AP50", "mAP_75": "AP75", "mAP_s": "APs", "mAP_m": "APm",
                "mAP_l": "APl"}
 
@@ -45,34 +79,163 @@ def our_metrics(mm_metrics: dict) -> dict[str, float]:
     return ours
 
 
-@HOOKS.register_module(force=True)
+def _replica_buffers() -> dict:
+    """The DDP keyword that leaves the norms' buffers per replica (``norm_sync`` makes them
+    agree at each epoch's end), as ``plugins.training.data_parallel``."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}  # torch >= 2.13's name
+    return {"broadcast_buffers": False}
+
+
+class UnnormRunner(Runner):
+    """mmengine's Runner with the model on the run's device (``cfg.device``: mmengine alone
+    takes any visible GPU), DDP that keeps the norms' buffers per replica, and checkpoints
+    read by ``plugins.checkpoints.load_checkpoint`` (``cfg.trust_checkpoint``)."""
+
+    def wrap_model(self, model_wrapper_cfg, model):
+        if model_wrapper_cfg is not None:
+            raise ValueError("model_wrapper_cfg: the mmdet backend wraps the model itself (DDP "
+                             "with per-replica norm buffers); drop it from the config")
+        device = torch.device(self.cfg.device)
+        model = model.to(device)
+        if not self.distributed:
+            return model
+        return MMDistributedDataParallel(
+            module=model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=self.cfg.get("find_unused_parameters", False),
+            **_replica_buffers())
+
+    def load_checkpoint(self, filename, map_location="cpu", strict=False,
+                        revise_keys=((r"^module.", ""),)):
+        """mmengine's ``load_checkpoint`` (resume, ``load_from``), reading the file on the
+        CPU without running its pickle (the model's and optimizer's ``load_state_dict``
+        copy to their device)."""
+        checkpoint = load_checkpoint(filename, trusted=self.cfg.trust_checkpoint,
+                                     opt_in=TRUST_OPT_IN)
+        self.call_hook("after_load_checkpoint", checkpoint=checkpoint)
+        model = self.model.module if is_model_wrapper(self.model) else self.model
+        checkpoint = _load_checkpoint_to_model(model, checkpoint, strict, revise_keys=revise_keys)
+        self._has_loaded = True
+        self.logger.info(f"Load checkpoint from {filename}")
+        return checkpoint
+
+
+@DATA_SAMPLERS.register_module(force=True)
+class CappedAspectRatioBatchSampler(AspectRatioBatchSampler):
+    """mmdet's aspect-ratio batches, at most ``max_batches`` of them per epoch
+    (``scale.max_steps_per_epoch``); each epoch draws afresh from the shuffled sampler."""
+
+    def __init__(self, sampler, batch_size: int, max_batches: int, drop_last: bool = False):
+        super().__init__(sampler, batch_size, drop_last)
+        self.max_batches = max_batches
+
+    def __iter__(self):
+        self._aspect_ratio_buckets = [[] for _ in range(2)]  # a capped epoch leaves a rest
+        return itertools.islice(super().__iter__(), self.max_batches)
+
+    def __len__(self) -> int:
+        return min(super().__len__(), self.max_batches)
+
+
+@OPTIMIZERS.register_module(name="TimmOptimizer", force=True)
+def timm_optimizer(params, opt: str, lr: float, weight_decay: float, **kwargs):
+    """timm's ``create_optimizer_v2``: ``recipe.opt`` names the same optimizer (defaults
+    included) in both detection backends; mmengine's param groups carry the decay rules."""
+    return create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+def plain_logged_values(checkpoint: dict) -> None:
+    """mmengine's message hub in ``checkpoint`` with its ``HistoryBuffer``s as plain lists,
+    which load without running any pickle code (``rebuild_logged_values`` undoes it)."""
+    scalars = checkpoint["message_hub"]["log_scalars"]
+    for key, buffer in scalars.items():
+        logged, counts = buffer.data
+        scalars[key] = {"log_history": logged.tolist(), "count_history": counts.tolist(),
+                        "max_length": buffer.max_length}
+
+
+def rebuild_logged_values(checkpoint: dict) -> None:
+    """The ``HistoryBuffer``s ``plain_logged_values`` stored as lists."""
+    scalars = checkpoint.get("message_hub", {}).get("log_scalars", {})
+    for key, plain in scalars.items():
+        if isinstance(plain, dict):
+            scalars[key] = HistoryBuffer(**plain)
+
+
+def guard_loss_scaler(optim_wrapper, model: torch.nn.Module) -> None:
+    """Put an ``unnorm.GradScaler`` (the norms keep their statistics in unscaled units and
+    skip what the scaler skips) in place of an AmpOptimWrapper's enabled scaler, its state
+    (scale, growth tracker) carried over."""
+    scaler = getattr(optim_wrapper, "loss_scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return
+    guarded = unnorm.GradScaler(model, scaler._device)
+    guarded.load_state_dict(scaler.state_dict())
+    optim_wrapper.loss_scaler = guarded
+
+
 class UnnormRunHook(Hook):
-    """Feeds every iteration's loss to our collapse detector and logs metrics our way."""
+    """Our conventions inside mmengine's loop: the collapse test on every iteration's loss
+    (averaged over replicas), the norms' state made identical across replicas after each
+    training epoch, metrics to ``metrics.jsonl`` and the logger, AMP's loss scaler kept
+    away from the norms, and checkpoints that load without running pickle code."""
 
-    priority = "LOW"
-
-    def __init__(self, run_dir: str, collapse: dict):
-        self.run = RunDirectory(Path(run_dir))
-        self.detector = CollapseDetector(**collapse)
+    def __init__(self, run: RunDirectory, detector: CollapseDetector, world: Distributed,
+                 norm_sync: str, logger):
+        self.run, self.detector, self.world = run, detector, world
+        self.norm_sync, self.logger = norm_sync, logger
         self.last: dict = {}
+
+    def before_train(self, runner) -> None:
+        guard_loss_scaler(runner.optim_wrapper, _unwrapped(runner.model))
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        plain_logged_values(checkpoint)
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        rebuild_logged_values(checkpoint)
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
         if outputs is not None and "loss" in outputs:
-            self.detector.update(runner.iter + 1, outputs["loss"])
+            self.detector.update(runner.iter + 1, self.world.mean(outputs["loss"].detach()))
 
     def after_train_epoch(self, runner) -> None:
+        """Registered at priority LOW: before CheckpointHook (VERY_LOW) saves the epoch, and
+        before the validation loop runs."""
         self.detector.check()
+        if self.world.world > 1:
+            unnorm.distribute_norm_state(_unwrapped(runner.model), self.norm_sync)
 
     def after_val_epoch(self, runner, metrics=None) -> None:
         self.last = {"epoch": runner.epoch, "step": runner.iter, **our_metrics(metrics or {})}
-        if runner.rank == 0:
-            self.run.log(**self.last)
+        self.run.log(**self.last)
+        self.logger.log(self.last, step=runner.iter)
 
 
-def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if is_model_wrapper(model) else model
+
+
+def paper_config(cfg: DictConfig) -> Config:
+    """The paper's mmdet config file of this run's model (3x schedule; ours sets the rest)."""
+    name = cfg.model.name.replace("_swin_t", "_swin_t_fpn")
+    return Config.fromfile(str(CONFIGS / f"{name}_3x_coco.py"))
+
+
+def amp_optim_wrapper(enabled: bool, device: torch.device) -> dict:
+    """mmengine's optim wrapper for ``amp``: autocast on CUDA only, bf16 where supported, else
+    fp16 with a dynamic loss scale, as ``plugins.training.amp_context``; plain fp32 elsewhere."""
+    if not enabled or device.type != "cuda":
+        return {"type": "OptimWrapper"}
+    if torch.cuda.is_bf16_supported():
+        return {"type": "AmpOptimWrapper", "dtype": "bfloat16", "loss_scale": {"enabled": False}}
+    return {"type": "AmpOptimWrapper", "dtype": "float16", "loss_scale": "dynamic"}
+
+
+def mmdet_config(cfg: DictConfig, out_dir: Path, world: Distributed) -> Config:
     """The mmdet config of this run: the paper's file, with our norm, data and schedule."""
     model, recipe, data = cfg.model, cfg.recipe, cfg.data
-    mm = Config.fromfile(str(CONFIGS / f"{model.name.replace('_swin_t', '_swin_t_fpn')}_3x_coco.py"))
+    mm = paper_config(cfg)
     options = norm_options(cfg.norm)
     backbone = mm.model.backbone
     backbone.norm_cfg = norm_cfg(cfg.norm.name, **options)
@@ -110,10 +273,14 @@ def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
     mm.test_dataloader = mm.val_dataloader
     mm.val_evaluator.ann_file = str(Path(data.root) / data.val.annotations)
     mm.test_evaluator = mm.val_evaluator
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    mm.train_dataloader.batch_size = recipe.batch_size // world
+    mm.train_dataloader.batch_size = replica_batch(recipe.batch_size, world.world)
+    if cfg.scale.max_steps_per_epoch:
+        mm.train_dataloader.batch_sampler = dict(type="CappedAspectRatioBatchSampler",
+                                                 max_batches=cfg.scale.max_steps_per_epoch)
     peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
-    mm.optim_wrapper.optimizer.update(lr=peak_lr, weight_decay=recipe.weight_decay)
+    mm.optim_wrapper.update(amp_optim_wrapper(cfg.amp, world.device))
+    mm.optim_wrapper.optimizer = dict(type="TimmOptimizer", opt=recipe.opt, lr=peak_lr,
+                                      weight_decay=recipe.weight_decay)
     if recipe.clip_grad:
         mm.optim_wrapper.clip_grad = dict(max_norm=recipe.clip_grad)
     mm.param_scheduler = [
@@ -126,64 +293,90 @@ def mmdet_config(cfg: DictConfig, out_dir: Path) -> Config:
     mm.randomness = dict(seed=cfg.seed)
     mm.resume = (out_dir / CHECKPOINT).exists()
     mm.default_hooks.logger.interval = cfg.collapse.check_every
-    mm.custom_hooks = [dict(type="UnnormRunHook", run_dir=str(out_dir),
-                            collapse=OmegaConf.to_container(cfg.collapse))]
-    if cfg.device == "cpu" or not torch.cuda.is_available():
-        mm.env_cfg.dist_cfg.backend = "gloo"
+    mm.launcher = "pytorch" if world.world > 1 else "none"  # on the group plugins.training joined
+    mm.device = str(world.device)
+    mm.trust_checkpoint = bool(cfg.trust_checkpoint)
     return mm
+
+
+def replica_batch(batch_size: int, replicas: int) -> int:
+    if batch_size % replicas:
+        raise ValueError(f"recipe.batch_size {batch_size} (global) is not divisible by "
+                         f"{replicas} replicas; choose a multiple of {replicas}")
+    return batch_size // replicas
 
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and evaluate one detection run with mmdetection; returns ``result.json``'s content."""
-    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg, overrides)
-    out_dir = Path(out_dir)
-    # mmengine's checkpoints hold its own objects, and it never passes weights_only to torch.load
-    os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    return run_task(_train, cfg, out_dir, overrides)
+
+
+def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     for option in ("record_statistics", "compile"):
         if cfg[option]:
             raise ValueError(f"{option}=true is supported by model.backend=torchvision; drop it "
                              "for the mmdet backend")
     require_init(cfg)
     if cfg.data.get("generate"):
-        from plugins.torchvision.shapes import ensure_shapes
-        ensure_shapes(Path(cfg.data.root), **cfg.data.generate)
-    cfg = fit_norm_to_run(cfg, cfg.recipe.epochs * steps_per_epoch(cfg))
-    run = RunDirectory(out_dir)
-    finished = run.begin(OmegaConf.to_yaml(cfg, resolve=True),
-                         resuming=(out_dir / CHECKPOINT).exists())
+        if world.main:
+            from plugins.torchvision.shapes import ensure_shapes
+            ensure_shapes(Path(cfg.data.root), **cfg.data.generate)
+        _barrier(world)
+    total_steps = cfg.recipe.epochs * steps_per_epoch(cfg, world.world)
+    cfg, run, finished = begin_run(cfg, out_dir, world, total_steps, CHECKPOINT)
     if finished is not None:
         return finished
-    mm = mmdet_config(cfg, out_dir)
+    mm = mmdet_config(cfg, out_dir, world)
     init = "scratch"
     if cfg.init_from:
-        saved = read_checkpoint(Path(cfg.init_from), "init_from")
         converted = out_dir / "backbone_init.pth"
-        torch.save({"state_dict": timm_to_mmdet(saved.get("model_ema") or saved["model"],
-                                                reset_steps=cfg.reset_norm_steps)}, converted)
+        if world.main and not converted.exists():
+            saved = read_checkpoint(Path(cfg.init_from), "init_from", trusted=cfg.trust_checkpoint)
+            weights = convert_checkpoint(saved, reset_steps=cfg.reset_norm_steps)
+            save_atomic({"state_dict": weights}, converted)
+        _barrier(world)
         mm.model.backbone.init_cfg = dict(type="Pretrained", checkpoint=str(converted))
         init = cfg.init_from
-    mm.dump(str(out_dir / "mmdet_config.py"))
+    if world.main:
+        mm.dump(str(out_dir / "mmdet_config.py"))
     meta = {**meta, "task": "detection", "exp": cfg.exp_name, "model": cfg.model.name,
             "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
             "seed": cfg.seed, "scale": cfg.scale.name, "epochs": cfg.recipe.epochs, "init": init,
-            "backend": "mmdet", "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "run_dir": str(out_dir)}
-    runner = Runner.from_cfg(mm)
-    hook = next(h for h in runner.hooks if isinstance(h, UnnormRunHook))
+            "backend": "mmdet", "world_size": world.world, "run_dir": str(out_dir)}
+    runner = UnnormRunner.from_cfg(mm)
+    logger = make_logger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True),
+                         name=f"{cfg.exp_name}-s{cfg.seed}", enabled=world.main)
+    hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger)
+    runner.register_hook(hook, priority="LOW")
+    model = _unwrapped(runner.model)
     try:
         runner.train()
-        meta.update(steps=runner.iter, **rejected_steps(runner.model.state_dict()))
+        meta.update(steps=runner.iter, **rejected_steps(model.state_dict()))
         result = run.write_result(status="ok", metrics=hook.last, meta=meta)
     except TrainingCollapsed as collapse:
-        meta.update(rejected_steps(runner.model.state_dict()))
+        meta.update(rejected_steps(model.state_dict()))
         result = record_collapse(run, collapse, hook.last, meta)
+    finally:
+        logger.finish()
     return result
 
 
-def steps_per_epoch(cfg: DictConfig) -> int:
-    """Training iterations per epoch: the annotated images of the training split (mmdet
-    drops images without objects) over the global batch."""
+def _barrier(world: Distributed) -> None:
+    if world.world > 1:
+        dist.barrier()
+
+
+def steps_per_epoch(cfg: DictConfig, replicas: int) -> int:
+    """Training iterations per epoch, each one batch per replica (a training step of every
+    norm), as mmdet draws them: the images its filter keeps (with an annotation, shorter side
+    at least ``min_size``), spread over the replicas (the sampler pads to a multiple), in
+    per-replica batches, the last one short; at most ``scale.max_steps_per_epoch``."""
     coco = json.loads((Path(cfg.data.root) / cfg.data.train.annotations).read_text())
-    annotated = {a["image_id"] for a in coco["annotations"] if not a.get("iscrowd", 0)}
-    return len(annotated) // cfg.recipe.batch_size
+    min_size = paper_config(cfg).train_dataloader.dataset.filter_cfg.min_size
+    annotated = {a["image_id"] for a in coco["annotations"]}
+    kept = sum(1 for image in coco["images"]
+               if image["id"] in annotated and min(image["width"], image["height"]) >= min_size)
+    per_replica = math.ceil(kept / replicas)
+    steps = math.ceil(per_replica / replica_batch(cfg.recipe.batch_size, replicas))
+    cap = cfg.scale.max_steps_per_epoch
+    return min(steps, cap) if cap else steps

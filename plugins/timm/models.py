@@ -17,10 +17,67 @@ from .t2t_vit import T2TViT
 
 def create_classifier(timm_name: str, norm_cfg: Mapping, num_classes: int, img_size: int,
                       **kwargs) -> nn.Module:
-    """``timm.create_model`` with every norm layer built as ``norm_cfg`` says."""
-    norm_layer = unnorm.norm_layer(norm_cfg["name"], **norm_options(norm_cfg))
-    return timm.create_model(timm_name, pretrained=False, num_classes=num_classes,
-                             img_size=img_size, norm_layer=norm_layer, **kwargs)
+    """``timm.create_model`` with every norm layer built as ``norm_cfg`` says.
+
+    PN with layer-scale and ``group_num: null`` groups each norm's channels by the number of
+    attention heads of its block, as the release does (``block_heads``)."""
+    model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes,
+                              img_size=img_size, norm_layer=host_norm_layer(norm_cfg), **kwargs)
+    if groups_by_heads(norm_cfg):
+        regroup(model, norm_cfg, block_heads(model))
+    return model
+
+
+def groups_by_heads(norm_cfg: Mapping) -> bool:
+    """PN with layer-scale whose ``group_num`` is left to the model (null)."""
+    return norm_cfg["name"] == "pn_ls" and norm_options(norm_cfg).get("group_num") is None
+
+
+def host_norm_layer(norm_cfg: Mapping):
+    """The ``norm_layer`` a host model builds its norms with (PN's head groups come after)."""
+    options = norm_options(norm_cfg)
+    if groups_by_heads(norm_cfg):
+        options["group_num"] = 1  # until ``regroup`` knows each norm's block
+    return unnorm.norm_layer(norm_cfg["name"], **options)
+
+
+def regroup(model: nn.Module, norm_cfg: Mapping, heads: Mapping[str, int]) -> None:
+    """Rebuild the named PN-with-layer-scale norms with ``heads[name]`` groups."""
+    for name, count in heads.items():
+        old = model.get_submodule(name)
+        new = unnorm.build_norm("pn_ls", old.num_features, **{**norm_options(norm_cfg),
+                                                              "group_num": count})
+        unnorm.replace_module(model, name, new.to(old.weight.device).train(old.training))
+
+
+def block_heads(model: nn.Module) -> dict[str, int]:
+    """The number of attention heads each PN-with-layer-scale norm of ``model`` groups by:
+    that of the smallest enclosing module whose attentions all have one count (a block, a
+    Swin stage: so a patch merging counts with the stage it starts); for a norm outside every
+    such module, the next attention's (Swin's patch embedding), else the previous one's (the
+    final norm). An attention without ``num_heads`` (T2T's Performer token layers) has one."""
+    attentions = [(name, getattr(m, "num_heads", 1)) for name, m in model.named_modules()
+                  if isinstance(getattr(m, "num_heads", None), int) or name.endswith(".attn")]
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    heads = {}
+    for name, module in model.named_modules():
+        if not (isinstance(module, unnorm.PowerNorm) and module.layer_scale):
+            continue
+        parts = name.split(".")
+        for depth in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:depth]) + "."
+            counts = {h for attention, h in attentions if attention.startswith(prefix)}
+            if len(counts) == 1:
+                heads[name] = counts.pop()
+                break
+        else:
+            after = [h for attention, h in attentions if order[attention] > order[name]]
+            before = [h for attention, h in attentions if order[attention] < order[name]]
+            if not attentions:
+                raise ValueError(f"{name}: no attention in the model to take PN's group_num "
+                                 "from; set norm.group_num")
+            heads[name] = after[0] if after else before[-1]
+    return heads
 
 
 def model_from_config(cfg) -> nn.Module:

@@ -1,6 +1,7 @@
 """Image classification training with timm's optimizer, scheduler, augmentation, mixup and EMA.
 
-Runs on one process or under ``torchrun`` (DDP). Checkpoints every epoch to ``last.pt`` and
+Runs on one process or under ``torchrun`` (DDP; the replicas' norm state is made one before
+every evaluation and checkpoint, ``norm_sync``). Checkpoints every epoch to ``last.pt`` and
 resumes from it; a collapse ends the run cleanly with ``status: FAIL`` in ``result.json``.
 """
 from __future__ import annotations
@@ -48,6 +49,12 @@ def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: floa
             for (decay, is_head), params in groups.items()]
 
 
+def classifier_prefix(model: nn.Module) -> str:
+    """The state-dict prefix of the model's classifier (``head.``, ``head.fc.``)."""
+    head = model.get_classifier()
+    return next(name for name, module in model.named_modules() if module is head) + "."
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, world: Distributed, amp) -> dict:
     model.eval()
@@ -80,18 +87,16 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch, CHECKPOINT)
     if finished is not None:
         return finished
-    val_sampler = (torch.utils.data.DistributedSampler(val_set, shuffle=False)
-                   if world.world > 1 else None)
     loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
                    "persistent_workers": cfg.scale.num_workers > 0}
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, sampler=val_sampler,
-                                             **loader_args)
+    val_loader = torch.utils.data.DataLoader(world.shard(val_set), batch_size=batch, **loader_args)
 
     num_classes = cfg.data.num_classes
     model = model_from_config(cfg).to(device)
     init = "scratch"
     if cfg.init_from:
-        init = load_weights(model, cfg.init_from, cfg.reset_norm_steps)
+        init = load_weights(model, cfg.init_from, cfg.reset_norm_steps,
+                            resizable=[classifier_prefix(model)], trusted=cfg.trust_checkpoint)
     if world.main:
         print(f"{cfg.exp_name}: {cfg.model.timm_name} with {cfg.norm.name} on {cfg.data.name} "
               f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
@@ -112,11 +117,12 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         criterion = LabelSmoothingCrossEntropy(recipe.label_smoothing)
     else:
         criterion = nn.CrossEntropyLoss()
-    amp, scaler = amp_context(cfg.amp, device)
+    amp, scaler = amp_context(cfg.amp, device, model)
     detector = CollapseDetector(**cfg.collapse)
     start_epoch, step = 0, 0
 
-    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, model=model, optimizer=optimizer,
+    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
+                              model=model, optimizer=optimizer,
                               scheduler=scheduler, collapse=detector, scaler=scaler,
                               model_ema=ema.module if ema is not None else None)
     state = checkpoint.resume()
@@ -172,6 +178,9 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                                          lr=f"{optimizer.param_groups[0]['lr']:.2e}")
             detector.check()
             scheduler.step(epoch + 1)
+            for replicated in (model, ema.module if ema is not None else None):
+                if replicated is not None:  # one norm state: what is scored is what is saved
+                    unnorm.distribute_norm_state(replicated, cfg.norm_sync)
             metrics = evaluate(model, val_loader, world, amp)
             if ema is not None:
                 metrics.update({f"{k}_ema": v for k, v in evaluate(ema.module, val_loader, world, amp).items()})

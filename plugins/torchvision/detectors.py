@@ -16,9 +16,8 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
-import unnorm
-from plugins.norms import norm_options
-from plugins.timm.models import check_plan, create_classifier, fold_model, swin_fold_plan
+from plugins.timm.models import (check_plan, create_classifier, fold_model, groups_by_heads,
+                                 host_norm_layer, regroup, swin_fold_plan)
 
 # A classifier checkpoint's keys the backbone has no use for: the head and the final norm.
 CLASSIFIER_ONLY = ("head.", "norm.")
@@ -51,8 +50,10 @@ def build_detector(model_cfg, norm_cfg, num_classes: int) -> nn.Module:
     backbone_cfg = cfg["backbone"]
     swin = create_classifier(backbone_cfg["timm_name"], norm_cfg, 0, backbone_cfg["img_size"],
                              strict_img_size=False, **backbone_cfg.get("kwargs", {}))
-    norm_layer = unnorm.norm_layer(norm_cfg["name"], **norm_options(norm_cfg))
-    backbone = SwinFPN(swin, norm_layer, cfg["fpn_channels"])
+    backbone = SwinFPN(swin, host_norm_layer(norm_cfg), cfg["fpn_channels"])
+    if groups_by_heads(norm_cfg):  # each stage output's norm groups by that stage's heads
+        stage_heads = [stage.blocks[0].attn.num_heads for stage in swin.layers]
+        regroup(backbone, norm_cfg, {f"out_norms.{i}": h for i, h in enumerate(stage_heads)})
     levels = len(swin.feature_info) + 1  # P2..P5 and the pooled P6
     if len(cfg["anchor_sizes"]) != levels:
         raise ValueError(f"anchor_sizes needs one size per FPN level ({levels}), got {cfg['anchor_sizes']}")

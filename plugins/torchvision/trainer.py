@@ -2,7 +2,8 @@
 evaluation. The schedule follows mmdetection's Swin configs: AdamW, linear warm-up over
 iterations, step decay at given epochs, multi-scale training.
 
-Runs on one process or under ``torchrun`` (DDP). Checkpoints every epoch to ``last.pt`` and
+Runs on one process or under ``torchrun`` (DDP; the replicas' norm state is made one before
+every evaluation and checkpoint, ``norm_sync``). Checkpoints every epoch to ``last.pt`` and
 resumes from it; a collapse ends the run cleanly with ``status: FAIL`` in ``result.json``.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ def evaluate(model, dataset: CocoInstances, batch_size: int, world: Distributed,
              iou_types: Sequence[str]) -> dict[str, float]:
     """COCO AP of ``model`` on ``dataset`` (each replica predicts a shard of it)."""
     model.eval()
-    shard = torch.utils.data.Subset(dataset, range(world.rank, len(dataset), world.world))
-    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(world.shard(dataset), batch_size=batch_size,
+                                         collate_fn=collate)
     results = []
     for images, targets in loader:
         with amp():
@@ -81,7 +82,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     init = "scratch"
     if cfg.init_from:  # an ImageNet classification run of ours, into the backbone
         init = load_weights(model.backbone.body, cfg.init_from, cfg.reset_norm_steps,
-                            ignore=CLASSIFIER_ONLY)
+                            ignore=CLASSIFIER_ONLY, trusted=cfg.trust_checkpoint)
     if world.main:
         print(f"{cfg.exp_name}: {cfg.model.name} with {cfg.norm.name} on {cfg.data.name} "
               f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
@@ -99,11 +100,12 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         warmup_epochs=recipe.warmup_iters / steps_per_epoch,
         warmup_lr=peak_lr * recipe.warmup_ratio, step_on_epochs=False,
         updates_per_epoch=steps_per_epoch)
-    amp, scaler = amp_context(cfg.amp, device)
+    amp, scaler = amp_context(cfg.amp, device, model)
     detector = CollapseDetector(**cfg.collapse)
     start_epoch, step = 0, 0
 
-    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, model=model, optimizer=optimizer,
+    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
+                              model=model, optimizer=optimizer,
                               scheduler=scheduler, collapse=detector, scaler=scaler)
     state = checkpoint.resume()
     if state is not None:
@@ -157,6 +159,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                     progress.set_postfix(loss=f"{detector.last_loss:.3f}",
                                          lr=f"{optimizer.param_groups[0]['lr']:.2e}")
             detector.check()
+            # one norm state for every replica: what is scored is what is saved
+            unnorm.distribute_norm_state(model, cfg.norm_sync)
             metrics = {"epoch": epoch + 1, "step": step, "lr": optimizer.param_groups[0]["lr"],
                        "train_loss": sum(world.mean(v) for v in loss_sums.values()).item() / steps_per_epoch,
                        **{f"train_{k}": world.mean(v).item() / steps_per_epoch for k, v in loss_sums.items()},

@@ -7,7 +7,11 @@ fairseq calls a norm as ``norm(x)``; the encoder and decoder therefore hand ever
 their stack the padding mask of the batch in flight (``PadMaskFeed``), so padding stays out
 of batch statistics. ``--norm-pad-mask false`` hands none, as the UN release's fairseq fork
 does (its layers call the norm without a mask, so padding enters UN's statistics). With
-``--norm-type ln`` the model computes exactly what the stock model does.
+``--norm-type ln`` the model computes exactly what the stock model does. PowerNorm's
+layer-scale (``pn_ls``) groups by the attention heads of the norm's block unless
+``--un-group-num`` says otherwise. Under ``--fp16``/``--amp`` (fairseq casts the model; the
+norms keep float32 statistics) training must run through ``plugins.fairseq.train``, which
+keeps fairseq's loss scaling away from the norms' statistics; fairseq-train is refused there.
 """
 from __future__ import annotations
 
@@ -40,9 +44,14 @@ def norm_options(cfg) -> dict:
             if getattr(cfg, dest(option), None) is not None}
 
 
-def build_norm(cfg, dim: int) -> nn.Module:
-    """The norm ``--norm-type`` names, with its options."""
-    return unnorm.build_norm(cfg.norm_type, dim, **norm_options(cfg))
+def build_norm(cfg, dim: int, heads: int) -> nn.Module:
+    """The norm ``--norm-type`` names, with its options, for a block of ``heads`` attention
+    heads: PowerNorm's layer-scale groups by them when ``--un-group-num`` is unset, as its
+    release does (4 groups in IWSLT's model, 8 in WMT's)."""
+    options = norm_options(cfg)
+    if cfg.norm_type == "pn_ls" and options.get("group_num") is None:
+        options["group_num"] = heads
+    return unnorm.build_norm(cfg.norm_type, dim, **options)
 
 
 class PadMaskFeed:
@@ -78,25 +87,27 @@ class PadMaskFeed:
 class UnnormEncoderLayer(TransformerEncoderLayerBase):
     def __init__(self, cfg, return_fc: bool = False):
         super().__init__(cfg, return_fc=return_fc)
-        self.self_attn_layer_norm = build_norm(cfg, self.embed_dim)
-        self.final_layer_norm = build_norm(cfg, self.embed_dim)
+        heads = cfg.encoder.attention_heads
+        self.self_attn_layer_norm = build_norm(cfg, self.embed_dim, heads)
+        self.final_layer_norm = build_norm(cfg, self.embed_dim, heads)
         self.can_use_fastpath = False  # BetterTransformer reads LayerNorm parameters directly
 
 
 class UnnormDecoderLayer(TransformerDecoderLayerBase):
     def __init__(self, cfg, no_encoder_attn: bool = False):
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
-        self.self_attn_layer_norm = build_norm(cfg, self.embed_dim)
+        heads = cfg.decoder.attention_heads
+        self.self_attn_layer_norm = build_norm(cfg, self.embed_dim, heads)
         if self.encoder_attn_layer_norm is not None:
-            self.encoder_attn_layer_norm = build_norm(cfg, self.embed_dim)
-        self.final_layer_norm = build_norm(cfg, self.embed_dim)
+            self.encoder_attn_layer_norm = build_norm(cfg, self.embed_dim, heads)
+        self.final_layer_norm = build_norm(cfg, self.embed_dim, heads)
 
 
 class UnnormTransformerEncoder(TransformerEncoderBase):
     def __init__(self, cfg, dictionary, embed_tokens):
         super().__init__(cfg, dictionary, embed_tokens)
         if self.layer_norm is not None:
-            self.layer_norm = build_norm(cfg, embed_tokens.embedding_dim)
+            self.layer_norm = build_norm(cfg, embed_tokens.embedding_dim, cfg.encoder.attention_heads)
         self.pad_feed = PadMaskFeed(self, cfg.norm_pad_mask)
 
     def build_encoder_layer(self, cfg):
@@ -112,7 +123,7 @@ class UnnormTransformerDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn: bool = False):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
         if self.layer_norm is not None:
-            self.layer_norm = build_norm(cfg, self.embed_dim)
+            self.layer_norm = build_norm(cfg, self.embed_dim, cfg.decoder.attention_heads)
         self.pad_feed = PadMaskFeed(self, cfg.norm_pad_mask)
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
@@ -133,6 +144,8 @@ class UnnormTransformerDecoder(TransformerDecoderBase):
 class UnnormTransformerModel(TransformerModel):
     """fairseq's ``transformer`` with ``--norm-type <any unnorm norm>``."""
 
+    loss_scaled = False  # built for --fp16/--amp training (build_model)
+
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -142,8 +155,10 @@ class UnnormTransformerModel(TransformerModel):
                             help="hand the norms the batch's padding mask (false: none, as "
                                  "the UN release's fairseq fork)")
         for option, (flag, kind) in OPTIONS.items():
+            default = ("the attention heads of the norm's block" if option == "group_num"
+                       else "the norm's default")
             parser.add_argument(flag, type=kind, default=None, metavar=option.upper(),
-                                help=f"the norm's {option} (unset: the norm's default)")
+                                help=f"the norm's {option} (unset: {default})")
 
     @classmethod
     def build_model(cls, args, task):
@@ -151,7 +166,26 @@ class UnnormTransformerModel(TransformerModel):
         for unsupported in ("layernorm_embedding", "checkpoint_activations", "offload_activations"):
             if getattr(args, unsupported, False):
                 raise ValueError(f"unnorm_transformer does not support --{unsupported.replace('_', '-')}")
-        return super().build_model(args, task)
+        model = super().build_model(args, task)
+        model.loss_scaled = bool(getattr(args, "fp16", False) or getattr(args, "amp", False))
+        return model
+
+    def forward(self, *args, **kwargs):
+        if self.training and self.loss_scaled:
+            self._require_loss_scale_guard()
+        return super().forward(*args, **kwargs)
+
+    def _require_loss_scale_guard(self) -> None:
+        """fairseq-train scales the loss under --fp16/--amp without telling the norms; only
+        ``plugins.fairseq.train`` does (``unnorm.LossScaleGuard``)."""
+        unguarded = [name for name, module in self.named_modules()
+                     if isinstance(module, unnorm.GuardedNorm) and module.loss_scale is None]
+        if unguarded:
+            raise RuntimeError(
+                f"--fp16/--amp scale the loss, and {len(unguarded)} norms ({unguarded[0]}, ...) "
+                "would keep statistics in scaled units and the state of skipped updates: train "
+                "with `python -m plugins.fairseq.train` (fairseq-train's flags; it guards them) "
+                "instead of fairseq-train")
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
