@@ -9,21 +9,14 @@ from torch.utils.checkpoint import checkpoint
 
 import unnorm
 from test_norms import make_sequence
+from test_reliability import STATEFUL as STATEFUL_OPTIONS
 
 C = 8
 SHAPE = (4, 5, C)
-# thresholds small enough that warm-up, full windows, compensation and PRepBN's hand-over all
-# happen within a test's steps
-OPTIONS = {
-    "un": {"warmup_iters": 3, "outlier_filtration": True, "compensation_start": 6},
-    "mabn": {"warmup_iters": 3, "window_size": 3, "compensation_start": 6},
-    "pn": {"warmup_iters": 3},
-    "pn_ls": {"warmup_iters": 3, "group_num": 2},
-    "bn": {},
-    "prepbn": {"warmup_iters": 2, "decay_iters": 6},
-    "ln": {}, "rms": {}, "nonorm": {}, "dyt": {},
-}
-STATEFUL = [name for name in OPTIONS if name not in ("ln", "rms", "nonorm", "dyt")]
+# STATEFUL's thresholds are small enough that warm-up, full windows, compensation and
+# PRepBN's hand-over all happen within a test's steps
+OPTIONS = {**STATEFUL_OPTIONS, "ln": {}, "rms": {}, "nonorm": {}, "dyt": {}}
+STATEFUL = list(STATEFUL_OPTIONS)
 assert set(OPTIONS) == set(unnorm.available_norms())
 
 
