@@ -26,6 +26,7 @@ from plugins.fairseq.data import binarised_files, prepare
 from plugins.fairseq.flags import OPTIONS, norm_flags
 from plugins.norms import norm_options
 from plugins.scale import effective_config
+from test_vision import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = Path(os.environ.get("UNNORM_FAIRSEQ_ENV") or ROOT / ".venv-fairseq")
@@ -450,7 +451,7 @@ def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path)
     args = [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "scale=cpu", "device=cpu"]
     run = tmp_path / "run"
     process = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=ROOT, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=script_env())
     deadline = time.time() + 120
     log = run / "train.log"
     while not (log.exists() and "(epoch 2 @" in log.read_text()) and time.time() < deadline:
@@ -459,7 +460,8 @@ def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not (run / "result.json").exists()
-    resumed = subprocess.run([*args, f"resume={run}"], cwd=ROOT, capture_output=True, text=True)
+    resumed = subprocess.run([*args, f"resume={run}"], cwd=ROOT, capture_output=True, text=True,
+                             env=script_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "ok" and result["steps"] == learned["un"]["steps"]

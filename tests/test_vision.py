@@ -37,10 +37,17 @@ def config(*overrides):
         return compose("train", overrides=list(overrides))
 
 
+def script_env() -> dict:
+    """The environment for a script run by a test: wandb offline, and without the wandb
+    service an in-process run of an earlier test started (a run killed while attached to it
+    would keep its run ID "in use" there, refusing the resume)."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    return {**env, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+
+
 def run_script(*args, timeout=300, **kwargs):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env, **kwargs)
+                          timeout=timeout, env=script_env(), **kwargs)
 
 
 @pytest.mark.parametrize("model", ["swin_t", "t2t_vit_14"])
