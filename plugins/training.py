@@ -296,13 +296,18 @@ def amp_context(enabled: bool, device: torch.device, model: nn.Module):
     return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
 
 
+def per_replica_buffers() -> dict:
+    """The DDP keyword that leaves the norms' buffers per replica (the paper's statistics;
+    ``sync_stats`` shares them, ``norm_sync`` makes them agree before evaluation and saves)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}  # torch >= 2.15 name
+    return {"broadcast_buffers": False}
+
+
 def data_parallel(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """DDP that leaves norm buffers per replica (the paper's statistics; sync_stats shares)."""
-    no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.15 name
-                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                      else {"broadcast_buffers": False})
+    """DDP that leaves norm buffers per replica."""
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **no_buffer_sync)
+                                   **per_replica_buffers())
 
 
 def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:

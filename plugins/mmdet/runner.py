@@ -29,7 +29,6 @@ Conventions shared with the other trainers:
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import math
@@ -49,7 +48,6 @@ from mmengine.runner import Runner
 from mmengine.runner.checkpoint import _load_checkpoint_to_model
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import create_optimizer_v2
-from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
@@ -57,7 +55,8 @@ from plugins.logger import make_logger
 from plugins.norms import norm_options
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
                             rejected_steps, save_atomic)
-from plugins.training import Distributed, begin_run, read_checkpoint, require_init, run_task
+from plugins.training import (Distributed, begin_run, per_replica_buffers, read_checkpoint,
+                              require_init, run_task)
 
 from . import norm_cfg
 from .convert import convert_checkpoint
@@ -79,14 +78,6 @@ def our_metrics(mm_metrics: dict) -> dict[str, float]:
     return ours
 
 
-def _replica_buffers() -> dict:
-    """The DDP keyword that leaves the norms' buffers per replica (``norm_sync`` makes them
-    agree at each epoch's end), as ``plugins.training.data_parallel``."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": False}  # torch >= 2.13's name
-    return {"broadcast_buffers": False}
-
-
 class UnnormRunner(Runner):
     """mmengine's Runner with the model on the run's device (``cfg.device``: mmengine alone
     takes any visible GPU), DDP that keeps the norms' buffers per replica, and checkpoints
@@ -103,7 +94,7 @@ class UnnormRunner(Runner):
         return MMDistributedDataParallel(
             module=model, device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.cfg.get("find_unused_parameters", False),
-            **_replica_buffers())
+            **per_replica_buffers())
 
     def load_checkpoint(self, filename, map_location="cpu", strict=False,
                         revise_keys=((r"^module.", ""),)):
