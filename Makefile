@@ -14,12 +14,19 @@ PYTHON310 ?= $(shell for p in $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/pytho
 # (about 20 min on 2 cores) into a wheel cached under ~/.cache/unnorm/wheels.
 MMDET_STAMP := $(VENV)/.mmdet-installed
 
-.PHONY: run test bench fairseq-env mmdet
+# The suite runs on one worker per core (at most 4: each holds its own torch), the slow
+# end-to-end runs first; `make test-fast` leaves those out while you work.
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
+
+.PHONY: run test test-fast bench fairseq-env mmdet
 run: $(STAMP)  ## the main job, on embedded data at CPU scale
 	$(PY) scripts/train.py +exp=swin_t_un scale=cpu
 
-test: $(STAMP) $(MMDET_STAMP) $(if $(PYTHON310),$(FAIRSEQ_STAMP))  ## the test suite
-	$(PY) -m pytest -q
+test: $(STAMP) $(MMDET_STAMP) $(if $(PYTHON310),$(FAIRSEQ_STAMP))  ## the test suite (what CI runs)
+	$(PYTEST)
+
+test-fast: $(STAMP)  ## the suite without the slow end-to-end runs
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) scripts/bench_norms.py

@@ -1,4 +1,7 @@
-"""Linear CKA between the layers of two models (the paper's Fig. 6).
+"""Linear CKA between the layers of two models (the paper's Fig. 6), from their features.
+
+This module never runs a model: it reads per-batch layer features (plugins/timm/features.py
+collects them from timm classifiers; scripts/cka.py composes the two).
 
 Three estimators of linear CKA (Kornblith et al. 2019), all computed from centred Gram
 matrices of per-example flattened features, in float64:
@@ -18,19 +21,14 @@ all layer pairs into one matrix product of flattened centred Grams.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
-from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
-from torch import nn
-
-from plugins.timm.t2t_vit import T2TViT
 
 ESTIMATORS = ("minibatch", "biased", "debiased")
 MIN_BATCH = 4  # HSIC_1 divides by n(n-3)
+NO_BATCHES = "no batches of features to compare (an empty loader, or max_batches=0)"
 
 
 def _check_estimator(estimator: str) -> None:
@@ -147,107 +145,32 @@ def linear_cka(x: torch.Tensor, y: torch.Tensor, estimator: str = "minibatch",
     return accumulator.compute()[0, 0]
 
 
-def block_names(model: nn.Module) -> list[str]:
-    """The default layers: every Transformer block's output, in forward order."""
-    if isinstance(model, T2TViT):
-        return [f"blocks.{i}" for i in range(len(model.blocks))]
-    if isinstance(model, SwinTransformer):
-        return [name for name, module in model.named_modules() if isinstance(module, SwinTransformerBlock)]
-    raise TypeError(f"no default CKA layers for {type(model).__name__}; pass the module names "
-                    "to compare (see model.named_modules())")
+def cka_matrix(batches: Iterable[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+               estimator: str = "minibatch") -> torch.Tensor:
+    """CKA between every layer of A and every layer of B, float64 on the CPU.
 
-
-def _keep_output(store: dict, name: str):
-    def hook(module, inputs, output):
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"{name} returns {type(output).__name__}, not a tensor; pick a module "
-                            "whose output is the activation to compare")
-        store[name] = output.detach()
-    return hook
-
-
-@contextmanager
-def layer_features(model: nn.Module, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
-    """Within the block, each forward of ``model`` fills the yielded dict with the outputs of
-    the modules ``names`` (replacing the previous forward's); the hooks go on exit."""
-    modules = dict(model.named_modules())
-    missing = [name for name in names if name not in modules]
-    if missing:
-        raise KeyError(f"{type(model).__name__} has no modules {missing}; see model.named_modules()")
-    store: dict[str, torch.Tensor] = {}
-    handles = [modules[name].register_forward_hook(_keep_output(store, name)) for name in names]
-    try:
-        yield store
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _images(batch) -> torch.Tensor:
-    return batch[0] if isinstance(batch, (list, tuple)) else batch
-
-
-def _equal_batches(loader: Iterable, max_batches: int | None) -> Iterator[torch.Tensor]:
-    """The loader's inputs, dropping a short final batch (the usual remainder) so the minibatch
-    estimator sees equal-size batches; a short batch anywhere else is an error."""
-    size, short = None, None
-    for batch in islice(loader, max_batches):
-        images = _images(batch)
-        if short is not None:
-            raise ValueError(f"a batch of {short} examples came before the last one; the minibatch "
-                             "CKA estimator needs equal-size batches")
-        size = size or images.shape[0]
-        if images.shape[0] < size:
-            short = images.shape[0]
-            continue
-        yield images
-
-
-@torch.no_grad()
-def cka_matrix(model_a: nn.Module, model_b: nn.Module, loader: Iterable, estimator: str = "minibatch",
-               max_batches: int | None = None, names_a: Sequence[str] | None = None,
-               names_b: Sequence[str] | None = None) -> tuple[torch.Tensor, list[str], list[str]]:
-    """CKA between every layer of ``model_a`` and every layer of ``model_b`` on ``loader``'s inputs.
-
-    Returns ``(matrix[len(names_a), len(names_b)], names_a, names_b)``; the layers default to
-    every block output (``block_names``). Models run in eval mode on the device of their
-    parameters. ``biased`` and ``debiased`` keep every activation (on the CPU) until the end, so
-    use them on small sets; ``minibatch`` drops a short final batch.
+    Each item of ``batches`` holds one batch's features (batch first, on one device): a tensor
+    per layer of A and one per layer of B (e.g. ``plugins.timm.features.paired_layer_features``).
+    ``minibatch`` holds one batch at a time and needs equal-size batches; ``biased`` and
+    ``debiased`` keep every feature (on the CPU) until the end, so use them on small sets.
     """
     _check_estimator(estimator)
-    names_a = list(names_a or block_names(model_a))
-    names_b = list(names_b or block_names(model_b))
-    modes = [(model, model.training) for model in (model_a, model_b)]
-    for model, _ in modes:
-        model.eval()
-    device = next(model_a.parameters()).device
-    minibatch = MinibatchCKA(len(names_a), len(names_b), device) if estimator == "minibatch" else None
-    kept_a: list[list[torch.Tensor]] = [[] for _ in names_a]
-    kept_b: list[list[torch.Tensor]] = [[] for _ in names_b]
-    batches = (_equal_batches(loader, max_batches) if minibatch is not None
-               else map(_images, islice(loader, max_batches)))
-    try:
-        with layer_features(model_a, names_a) as out_a, layer_features(model_b, names_b) as out_b:
-            for images in batches:
-                model_a(images.to(device))
-                if model_b is not model_a:  # the same model fills both stores in one forward
-                    model_b(images.to(next(model_b.parameters()).device))
-                features_a = [out_a[name] for name in names_a]
-                features_b = [out_b[name].to(device) for name in names_b]
-                if minibatch is not None:
-                    minibatch.update(features_a, features_b)
-                    continue
-                for kept, feature in zip((*kept_a, *kept_b), (*features_a, *features_b)):
-                    kept.append(feature.flatten(1).cpu())
-    finally:
-        for model, training in modes:
-            model.train(training)
-    if minibatch is not None:
-        return minibatch.compute().cpu(), names_a, names_b
-    if not kept_a[0]:
-        raise ValueError("the loader yielded no batches")
-    matrix = _full_batch_cka([torch.cat(k) for k in kept_a], [torch.cat(k) for k in kept_b], estimator)
-    return matrix, names_a, names_b
+    if estimator == "minibatch":
+        accumulator = None
+        for features_a, features_b in batches:
+            if accumulator is None:
+                accumulator = MinibatchCKA(len(features_a), len(features_b), features_a[0].device)
+            accumulator.update(features_a, features_b)
+        if accumulator is None:
+            raise ValueError(NO_BATCHES)
+        return accumulator.compute().cpu()
+    kept = [([f.flatten(1).cpu() for f in features_a], [f.flatten(1).cpu() for f in features_b])
+            for features_a, features_b in batches]
+    if not kept:
+        raise ValueError(NO_BATCHES)
+    layers_a, layers_b = zip(*kept)
+    return _full_batch_cka([torch.cat(layer) for layer in zip(*layers_a)],
+                           [torch.cat(layer) for layer in zip(*layers_b)], estimator)
 
 
 def plot_cka_heatmap(matrix: torch.Tensor, names_a: Sequence[str], names_b: Sequence[str],

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 RUN_LENGTH_KEYS = ("decay_end",)  # resolved by fit_norm_to_run, not build_norm options
 
 
-def norm_options(norm_cfg: Mapping) -> dict:
+def norm_kwargs(norm_cfg: Mapping) -> dict:
     """The ``build_norm`` options of a norm config (everything but its name)."""
     if not isinstance(norm_cfg, dict):
         norm_cfg = OmegaConf.to_container(norm_cfg, resolve=True)

@@ -18,6 +18,10 @@ from typing import Any, Optional
 
 import torch
 import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from plugins.logger import make_logger
+from plugins.norms import norm_kwargs
 
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
@@ -187,3 +191,17 @@ def save_atomic(obj: Any, path: Path, keep_previous: Optional[Path] = None) -> N
         os.link(path, linked)
         os.replace(linked, keep_previous)
     os.replace(tmp, path)
+
+
+def run_meta(cfg: DictConfig, task: str, world_size: int, run_dir: Path, **extra) -> dict:
+    """The part of ``result.json`` every task writes alike (what ran, where, on how many
+    processes); ``extra`` adds the task's own facts."""
+    return {"task": task, "exp": cfg.exp_name, "model": cfg.model.name, "data": cfg.data.name,
+            "norm": cfg.norm.name, "norm_options": norm_kwargs(cfg.norm), "seed": cfg.seed,
+            "scale": cfg.scale.name, **extra, "world_size": world_size, "run_dir": str(run_dir)}
+
+
+def run_logger(cfg: DictConfig, out_dir: Path, enabled: bool = True):
+    """The run's experiment logger (wandb offline by default), named after the run."""
+    return make_logger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True),
+                       name=f"{cfg.exp_name}-s{cfg.seed}", enabled=enabled)

@@ -22,7 +22,13 @@ from pathlib import Path
 import torch
 
 import unnorm
-from benchmark import compile_side_by_side, machine, synchronize  # scripts/: shared by the benchmarks
+from benchmark import (  # scripts/: shared by the benchmarks
+    add_shared_options,
+    compile_side_by_side,
+    ln_first,
+    machine,
+    synchronize,
+)
 
 SHAPES = {"tokens": (64, 196, 384), "swin_stage1": (8, 56, 56, 96)}
 # past every warm-up: what a long training run spends its steps in
@@ -109,18 +115,12 @@ def report(rows) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--norms", nargs="+", default=unnorm.available_norms(),
-                        choices=unnorm.available_norms())
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON file (default results/benchmarks/norms_<device>.json)")
+    add_shared_options(parser, "--norms", rounds=30, warmup=5,
+                       out_help="JSON file (default results/benchmarks/norms_<device>.json)")
     args = parser.parse_args()
-    if "ln" not in args.norms:
-        args.norms = ["ln", *args.norms]
+    args.norms = ln_first(args.norms)
     device = torch.device(args.device)
     compile_side_by_side()
     rows = [row for shape in args.shapes for row in measure(SHAPES[shape], args.norms, args, device)]

@@ -77,6 +77,23 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
     return net.to(device)
 
 
+def add_shared_options(parser: argparse.ArgumentParser, norms_flag: str, rounds: int, warmup: int,
+                       norms_help: str | None = None, out_help: str | None = None) -> None:
+    """The options of both benchmarks (this one and bench_norms.py): the norms to measure, the
+    timed rounds and the untimed warm-up calls before them, the device, the JSON written."""
+    parser.add_argument(norms_flag, nargs="+", default=unnorm.available_norms(),
+                        choices=unnorm.available_norms(), help=norms_help)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help=out_help)
+
+
+def ln_first(norms: list[str]) -> list[str]:
+    """``norms`` with LN first, added if missing: the baseline every ratio is taken to."""
+    return ["ln", *(norm for norm in norms if norm != "ln")]
+
+
 def compile_side_by_side() -> None:
     """Compiled variants share their modules' forward code, and dynamo counts each one's graph
     as a recompile of that code: past its limit (8) it would run the rest eager, silently.
@@ -235,24 +252,19 @@ def report(inference_rows, training_rows) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batch", type=int, default=None, help="inference batch (GPU 512, CPU 8)")
     parser.add_argument("--det-batch", type=int, default=2, help="Mask R-CNN inference batch")
     parser.add_argument("--train-batch", type=int, default=None, help="GPU 128, CPU 4")
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--train-norms", nargs="+", default=unnorm.available_norms(),
-                        choices=unnorm.available_norms(),
-                        help="norms whose training step is timed (LN always, as the baseline)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=None)
+    add_shared_options(parser, "--train-norms", rounds=7, warmup=3,
+                       norms_help="norms whose training step is timed (LN always, as the baseline)")
     parser.add_argument("--rss-probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.train_norms = ["ln"] + [n for n in args.train_norms if n != "ln"]
+    args.train_norms = ln_first(args.train_norms)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     args.batch = args.batch or (512 if gpu else 8)

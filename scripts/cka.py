@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from analysis.cka import ESTIMATORS, cka_matrix, plot_cka_heatmap  # noqa: E402
 from plugins.checkpoints import load_checkpoint  # noqa: E402
 from plugins.timm import model_from_config  # noqa: E402
 from plugins.timm.data import build_datasets  # noqa: E402
+from plugins.timm.features import block_names, paired_layer_features  # noqa: E402
 
 SHUFFLE_SEED = 0
 
@@ -84,8 +86,11 @@ def main(argv=None) -> dict:
     loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size, shuffle=True,
                                          generator=torch.Generator().manual_seed(SHUFFLE_SEED),
                                          num_workers=cfg_a.scale.num_workers)
-    matrix, names_a, names_b = cka_matrix(model_a, model_b, loader, estimator=args.estimator,
-                                          max_batches=args.max_batches)
+    names_a, names_b = block_names(model_a), block_names(model_b)
+    features = paired_layer_features(model_a, model_b, loader, names_a, names_b, args.max_batches,
+                                     equal_batches=args.estimator == "minibatch")
+    with closing(features):  # hooks off and modes back even if the estimator raises
+        matrix = cka_matrix(features, args.estimator)
 
     exp_a, exp_b = cfg_a.exp_name, cfg_b.exp_name
     out = args.out or REPO / "results" / "analysis" / f"cka_{exp_a}_vs_{exp_b}"

@@ -1,5 +1,7 @@
-"""Linear CKA (analysis/cka.py) against a direct float64 transcription of the published formulas."""
+"""Linear CKA (analysis/cka.py) against a direct float64 transcription of the published formulas,
+and end to end on the features of tiny models (plugins/timm/features.py)."""
 import math
+from contextlib import closing
 
 import pytest
 import timm
@@ -7,15 +9,8 @@ import torch
 from timm.models.swin_transformer import SwinTransformer
 
 import plugins.timm  # noqa: F401  (registers t2t_vit_tiny)
-from analysis.cka import (
-    ESTIMATORS,
-    MinibatchCKA,
-    block_names,
-    cka_matrix,
-    layer_features,
-    linear_cka,
-    plot_cka_heatmap,
-)
+from analysis.cka import ESTIMATORS, MinibatchCKA, cka_matrix, linear_cka, plot_cka_heatmap
+from plugins.timm.features import block_names, layer_features, paired_layer_features
 
 BATCH = 10  # the minibatch estimator's batch size in these tests
 
@@ -138,11 +133,22 @@ def test_batch_size_errors(data):
         linear_cka(x, y, batch_size=7)
     with pytest.raises(ValueError, match="unknown CKA estimator"):
         linear_cka(x, y, "kernel")
+    for estimator in ESTIMATORS:
+        with pytest.raises(ValueError, match="no batches"):
+            cka_matrix([], estimator)
 
 
 def tiny_t2t(seed):
     torch.manual_seed(seed)
     return timm.create_model("t2t_vit_tiny", num_classes=10, img_size=32)
+
+
+def layer_cka(model_a, model_b, loader, estimator="minibatch"):
+    """Composed as scripts/cka.py composes it: default layers, both models' features, the estimator."""
+    names_a, names_b = block_names(model_a), block_names(model_b)
+    features = paired_layer_features(model_a, model_b, loader, names_a, names_b,
+                                     equal_batches=estimator == "minibatch")
+    return cka_matrix(features, estimator), names_a, names_b
 
 
 def test_cka_matrix_on_tiny_models(tmp_path):
@@ -151,14 +157,21 @@ def test_cka_matrix_on_tiny_models(tmp_path):
     model, other = tiny_t2t(0), tiny_t2t(1)
     model.train()
     for estimator in ("minibatch", "biased"):
-        matrix, names_a, names_b = cka_matrix(model, model, loader, estimator=estimator)
+        matrix, names_a, names_b = layer_cka(model, model, loader, estimator)
         assert names_a == names_b == [f"blocks.{i}" for i in range(4)]
         torch.testing.assert_close(matrix.diagonal(), torch.ones(4, dtype=torch.float64), rtol=0, atol=1e-9)
         assert torch.allclose(matrix, matrix.T, atol=1e-9)
-    assert model.training, "cka_matrix must restore the train/eval mode"
+    assert model.training, "paired_layer_features must restore the train/eval mode"
 
-    # The short final batch (4 of 20) is dropped: the result is that of the two full batches.
-    matrix, _, _ = cka_matrix(model, other, loader)
+    # The full-batch estimators see all 20 examples, the short final batch included.
+    matrix, _, _ = layer_cka(model, other, loader, "biased")
+    with torch.no_grad(), layer_features(model, names_a) as out_a, layer_features(other, names_b) as out_b:
+        model.eval()(images), other.eval()(images)
+        expected = ref_cka(out_a[names_a[0]], out_b[names_b[3]], "biased")
+    assert matrix[0, 3].item() == pytest.approx(expected, abs=1e-6)
+
+    # The minibatch estimator drops the short final batch (4 of 20): the result is that of the two full batches.
+    matrix, _, _ = layer_cka(model, other, loader)
     reference = MinibatchCKA(4, 4)
     with torch.no_grad(), layer_features(model, names_a) as out_a, layer_features(other, names_b) as out_b:
         for batch in images[:16].split(8):
@@ -169,6 +182,16 @@ def test_cka_matrix_on_tiny_models(tmp_path):
 
     path = plot_cka_heatmap(matrix, names_a, names_b, "seed 0", "seed 1", tmp_path / "cka.png")
     assert path.stat().st_size > 0
+
+
+def test_short_batch_before_the_last_is_an_error():
+    model = tiny_t2t(0).train()
+    images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    names = block_names(model)
+    features = paired_layer_features(model, model, [images, images[:4], images], names, names)
+    with pytest.raises(ValueError, match="came before the last one"), closing(features):
+        cka_matrix(features)
+    assert model.training, "closing the features must restore the train/eval mode"
 
 
 def test_swin_default_layers_are_its_blocks():

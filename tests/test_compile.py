@@ -9,20 +9,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import unnorm
+from test_norms import QUICK_OPTIONS as OPTIONS
 from test_norms import make_sequence
 
 C = 8
-# small thresholds, so that warm-up, window fill, outlier skips, compensation and PRepBN's
-# whole hand-over happen within the test's steps
-OPTIONS = {
-    "un": {"warmup_iters": 5, "outlier_filtration": True, "compensation_start": 10},
-    "mabn": {"warmup_iters": 5, "window_size": 3, "compensation_start": 10},
-    "pn": {"warmup_iters": 5},
-    "pn_ls": {"warmup_iters": 5, "group_num": 2},
-    "bn": {},
-    "prepbn": {"warmup_iters": 4, "decay_iters": 8},
-    "dyt": {},
-}
 SPIKES = {14: 8.0, 22: 0.1, 27: 9.0}  # outliers for UN's filter
 
 

@@ -170,6 +170,7 @@ def test_every_norm_trains_both_detectors(model, norm, tmp_path, monkeypatch):
                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", ["un"])
 def test_short_training_beats_an_untrained_detector(norm, tmp_path):
     """192 steps on 192 generated images: box AP rises clearly above the untrained detector's
@@ -189,6 +190,7 @@ def test_short_training_beats_an_untrained_detector(norm, tmp_path):
         (before, after)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
     want, got = kill_and_resume(["scripts/train.py", "+exp=mask_rcnn_swin_t_un", "scale=cpu",
                                  "logger=none", "recipe.cpu.epochs=3", "recipe.cpu.eval_every=1",

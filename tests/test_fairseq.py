@@ -24,9 +24,12 @@ from plugins.checkpoints import UnsafeCheckpoint
 from plugins.fairseq import launcher, synthetic
 from plugins.fairseq.data import binarised_files, prepare
 from plugins.fairseq.flags import OPTIONS, norm_flags
-from plugins.norms import norm_options
+from plugins.norms import norm_kwargs
 from plugins.scale import effective_config
 from test_vision import script_env
+
+# one worker runs the module: its fixtures (shared runs) are made once
+pytestmark = pytest.mark.xdist_group("fairseq")
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = Path(os.environ.get("UNNORM_FAIRSEQ_ENV") or ROOT / ".venv-fairseq")
@@ -91,7 +94,7 @@ def update_losses(log: str) -> dict[int, tuple]:
 # ---- without fairseq: options, configs, corpus, error messages --------------------------------
 
 def test_a_flag_for_every_norm_option():
-    every_option = set().union(*(unnorm.norm_options(name) for name in unnorm.available_norms()))
+    every_option = set().union(*(unnorm.option_names(name) for name in unnorm.available_norms()))
     assert set(OPTIONS) == every_option
     assert norm_flags("un", {"window_size": 4, "warmup_iters": 4000, "outlier_filtration": False,
                              "outlier_threshold": None}) == [
@@ -262,6 +265,7 @@ def learned(synthetic_data, tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", ["ln", "un"])
 def test_a_few_hundred_updates_learn_to_translate(norm, learned, synthetic_data):
     result = learned[norm]
@@ -346,7 +350,7 @@ def test_pn_ls_groups_by_the_attention_heads_of_its_block(synthetic_data):
     release; --un-group-num forces one value."""
     for data in ("iwslt14", "wmt14"):
         cfg = config(f"+exp={data}_pn_ls")
-        assert cfg.norm.group_num is None and "--un-group-num" not in norm_flags("pn_ls", norm_options(cfg.norm))
+        assert cfg.norm.group_num is None and "--un-group-num" not in norm_flags("pn_ls", norm_kwargs(cfg.norm))
     summary = fairseq_python("tests/fairseq_checks.py", "groups", str(synthetic_data))
     unset = summary["unset"]
     assert len(unset) == 2 * 2 + 3 * 2 + 2  # layers' norms and the stacks' final norms
@@ -423,7 +427,7 @@ def test_fine_tuning_from_a_translation_run(learned, tmp_path, monkeypatch):
         def finish(self):
             pass
 
-    monkeypatch.setattr(launcher, "make_logger", lambda *args, **kwargs: Recorder())
+    monkeypatch.setattr(launcher, "run_logger", lambda *args, **kwargs: Recorder())
     source = Path(learned["un"]["run_dir"]) / "checkpoints" / "checkpoint_last.pt"
     overrides = ["+exp=iwslt14_un", "scale=cpu", "device=cpu", f"init_from={source}",
                  "reset_norm_steps=true", "recipe.train.update_freq=2", "recipe.cpu.train.max_epoch=1",
@@ -444,11 +448,16 @@ def test_fine_tuning_from_a_translation_run(learned, tmp_path, monkeypatch):
     assert valid[-1]["valid_loss"] == result["metrics"]["valid_loss"]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path):
     """Killed after epoch 2, resumed with resume=<run dir>: fairseq restores checkpoint_last.pt
-    and every later update's loss equals the uninterrupted run's. The default logger, wandb
-    offline, logs both parts into one wandb run in the run directory."""
-    args = [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "scale=cpu", "device=cpu"]
+    and every later update's loss equals the uninterrupted run's (the UN run of ``learned``,
+    whose first 3 epochs this shortened run repeats: nothing in them depends on the run's
+    length). The default logger, wandb offline, logs both parts into one wandb run in the run
+    directory."""
+    epochs = 3
+    args = [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "scale=cpu", "device=cpu",
+            f"recipe.cpu.train.max_epoch={epochs}", f"recipe.cpu.train.max_update={epochs * 42}"]
     run = tmp_path / "run"
     process = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=ROOT, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=script_env())
@@ -464,7 +473,7 @@ def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path)
                              env=script_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = json.loads((run / "result.json").read_text())
-    assert result["status"] == "ok" and result["steps"] == learned["un"]["steps"]
+    assert result["status"] == "ok" and result["steps"] == epochs * 42  # updates per epoch
     text = log.read_text()
     loaded = re.findall(r"Loaded checkpoint \S+ \(epoch (\d+) @ (\d+) updates\)", text)
     assert loaded and int(loaded[-1][0]) >= 2

@@ -74,7 +74,7 @@ def malicious_checkpoint(path: Path, **entries) -> Path:
 def test_build_norm_layer_builds_ours_with_the_injected_eps(norm):
     abbr, layer = build_norm_layer(norm_cfg(norm), 24, postfix=1)
     assert type(layer) is type(unnorm.build_norm(norm, 24)) and abbr == f"{norm}1"
-    if "eps" in unnorm.norm_options(norm):
+    if "eps" in unnorm.option_names(norm):
         assert layer.eps == 1e-5
         assert build_norm_layer(dict(type=MMDET_NAMES[norm], eps=1e-3), 24)[1].eps == 1e-3
 
@@ -306,6 +306,7 @@ def test_max_steps_per_epoch_caps_every_epoch_at_fresh_batches(tmp_path):
         assert list(batches) == [list(shuffled)[:8]]
 
 
+@pytest.mark.slow
 def test_hydra_backend_trains_resumes_and_refuses_unsafe_checkpoints(tmp_path):
     """One process, from an ImageNet run of ours (``init_from``: PRepBN keeps its count of 3
     steps): the run's length in norm steps (10 images in batches of 8: two per epoch, the
@@ -392,6 +393,7 @@ def _predictions(prefix: Path) -> list:
             for kind in ("bbox", "segm")]
 
 
+@pytest.mark.slow
 def test_two_replicas_are_one_run_whose_checkpoint_gives_the_recorded_ap(tmp_path):
     """torchrun's two processes train one run (16 images in global batches of 8: two steps),
     the replicas' norm states agree after the evaluation, and the saved checkpoint,

@@ -19,18 +19,10 @@ from plugins.scale import effective_config
 from plugins.timm import model_from_config
 from plugins.timm.trainer import classifier_prefix, train
 from plugins.training import load_weights, run_task
-from test_norms import SHAPE, make_sequence, random_affine
+from test_norms import SHAPE, STATEFUL, make_sequence, random_affine
 from test_vision import QUICK, ROOT, config, run_script
 
 C = SHAPE[-1]
-STATEFUL = {
-    "un": {"warmup_iters": 4, "outlier_filtration": True, "compensation_start": 6},
-    "mabn": {"warmup_iters": 4, "window_size": 3, "compensation_start": 6},
-    "pn": {"warmup_iters": 4},
-    "pn_ls": {"warmup_iters": 4, "group_num": 2},
-    "bn": {},
-    "prepbn": {"warmup_iters": 3, "decay_iters": 6},
-}
 PAD = torch.zeros(SHAPE[:-1], dtype=torch.bool)
 PAD[1, 3:] = True
 

@@ -8,16 +8,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import unnorm
+from test_norms import QUICK_OPTIONS as OPTIONS
+from test_norms import STATEFUL as STATEFUL_OPTIONS
 from test_norms import make_sequence
-from test_reliability import STATEFUL as STATEFUL_OPTIONS
 
 C = 8
 SHAPE = (4, 5, C)
-# STATEFUL's thresholds are small enough that warm-up, full windows, compensation and
-# PRepBN's hand-over all happen within a test's steps
-OPTIONS = {**STATEFUL_OPTIONS, "ln": {}, "rms": {}, "nonorm": {}, "dyt": {}}
 STATEFUL = list(STATEFUL_OPTIONS)
-assert set(OPTIONS) == set(unnorm.available_norms())
 
 
 def model(name, seed=0):

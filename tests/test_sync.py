@@ -13,6 +13,9 @@ import torch.multiprocessing as mp
 
 import unnorm
 
+# one worker runs the module: its fixtures (shared runs) are made once
+pytestmark = pytest.mark.xdist_group("sync")
+
 NORMS = {"un": {"warmup_iters": 4, "outlier_filtration": True, "window_size": 2},
          "mabn": {"warmup_iters": 4, "window_size": 2}, "pn": {"warmup_iters": 4},
          "pn_ls": {"warmup_iters": 4, "group_num": 5}, "bn": {},

@@ -95,3 +95,16 @@ def test_invalid_requests_fail_clearly():
         T2TViT(img_size=32, drop_path=0.1)
     with pytest.raises(ValueError, match='does not match img_size'):
         timm.create_model('t2t_vit_tiny', img_size=32)(torch.randn(1, 3, 64, 64))
+
+
+def test_token_transformers_replace_their_input_and_blocks_add_to_it():
+    """T2T's token layers change the width, so their attention's output (residual inside, on the
+    value path) replaces x; the backbone's blocks add both branches to x."""
+    model = timm.create_model('t2t_vit_tiny', img_size=32).eval()
+    token_layer, block = model.tokens_to_token.layer2, model.blocks[0]
+    tokens, features = torch.randn(2, 16, 32 * 3 * 3), torch.randn(2, 5, model.embed_dim)
+    with torch.no_grad():
+        attended = token_layer.attn(token_layer.norm1(tokens))
+        torch.testing.assert_close(token_layer(tokens), attended + token_layer.mlp(token_layer.norm2(attended)))
+        attended = features + block.attn(block.norm1(features))
+        torch.testing.assert_close(block(features), attended + block.mlp(block.norm2(attended)))

@@ -99,6 +99,7 @@ def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
             json.loads((killed / "result.json").read_text()))
 
 
+@pytest.mark.slow
 def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
     want, got = kill_and_resume(["scripts/train.py", "+exp=t2t_vit_14_un", "scale=cpu", "logger=none",
                                  "recipe.cpu.epochs=3", "scale.max_steps_per_epoch=8",
@@ -139,8 +140,8 @@ def ddp_replica(rank, ports, trainer, runs, out_dir, every_step):
     module = importlib.import_module(trainer)
     records, models = [], []
 
-    def wrap(name, before=None, after=None):
-        original = getattr(module, name)
+    def wrap(name, before=None, after=None, owner=module):
+        original = getattr(owner, name)
 
         @functools.wraps(original)
         def wrapped(*args, **kwargs):
@@ -150,7 +151,7 @@ def ddp_replica(rank, ports, trainer, runs, out_dir, every_step):
             if after:
                 after()
             return value
-        setattr(module, name, wrapped)
+        setattr(owner, name, wrapped)
 
     evaluated, index = EVALUATED[trainer]
     wrap("data_parallel", before=lambda model, *_: models.append(model))
@@ -158,7 +159,8 @@ def ddp_replica(rank, ports, trainer, runs, out_dir, every_step):
         {"state": named_norm_state(model), "outputs": []}))
     wrap(evaluated, before=lambda *args: records[-1]["eval"][-1]["outputs"].append(args[index]))
     if every_step:
-        wrap("optimizer_step", after=lambda: records[-1]["step"].append(named_norm_state(models[-1])))
+        wrap("optimizer_step", after=lambda: records[-1]["step"].append(named_norm_state(models[-1])),
+             owner=importlib.import_module("plugins.loop"))  # the shared loop steps every trainer
     try:
         for port, (overrides, run_dir) in zip(ports, runs):
             os.environ["MASTER_PORT"] = str(port)
@@ -190,6 +192,7 @@ DDP_RUN = ["+exp=t2t_vit_14_un", "scale=cpu", "logger=none", "recipe.cpu.epochs=
            "scale.max_steps_per_epoch=3", "recipe.cpu.model_ema.decay=0.9"]
 
 
+@pytest.mark.slow
 def test_ddp_replicas_score_and_save_one_norm_state_and_resume_alike(tmp_path):
     """Per-replica statistics (the default): at every evaluation (model and EMA) both
     replicas hold one norm state; last.pt, evaluated alone, gives the recorded top-1 and each

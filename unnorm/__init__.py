@@ -16,7 +16,7 @@ from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
 from .registry import (available_norms, build_norm, is_foldable, is_offline, norm_layer,
-                       norm_options)
+                       option_names)
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
 from .swap import replace_module, swap_norms
@@ -33,7 +33,7 @@ def reset_steps(model) -> int:
 
 
 __all__ = [
-    "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "norm_options",
+    "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "option_names",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "to_affine", "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",

@@ -8,6 +8,7 @@ input's dtype.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -24,9 +25,11 @@ class ChannelNorm(nn.Module):
     """Base of all norms: ``forward(x, pad_mask=None)`` on ``(..., C)`` input.
 
     Subclasses implement ``_normalize(rows, valid)`` on float-or-input-dtype rows ``(N, C)``
-    and a boolean ``valid`` row mask (None when there is no padding) and set ``offline``.
+    and a boolean ``valid`` row mask (None when there is no padding).
     """
 
+    #: inference is a fixed per-channel affine (foldable into a linear layer); the class
+    #: decides it, and ``offline_for`` where an option does
     offline: bool = False
     #: the factor the loss was multiplied by in this update (a 0-dim float32 tensor shared by
     #: the model's norms), set by ``unnorm.LossScaleGuard``; None: gradients are unscaled
@@ -45,6 +48,12 @@ class ChannelNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_features, **factory))
         self.bias = nn.Parameter(torch.zeros(num_features, **factory))
         self._tap = None  # a statistics tap (unnorm.stats) while recording, else None
+
+    @classmethod
+    def offline_for(cls, **options) -> bool:
+        """Whether a norm built with ``options`` is offline, known before building it (the
+        registry's ``is_offline``). A norm whose options decide it overrides this."""
+        return cls.offline
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}"
@@ -96,6 +105,28 @@ class ChannelNorm(nn.Module):
         z.register_hook(lambda g: tap.record_grad(unscaled(grad_channel_mean(g * z_value, valid),
                                                            scale)))
         return z
+
+
+#: Every default momentum is 0.9-0.98; one below this more likely follows torch's convention.
+TORCH_STYLE_MOMENTUM_BELOW = 0.5
+
+
+def check_momentum(name: str, value) -> float:
+    """A momentum option as the paper's alpha: the weight of the OLD value (0.9 keeps 90% of
+    the running value per step). torch's BatchNorm momentum is the weight of the NEW batch
+    (torch's 0.1 == alpha 0.9), so a small value is warned about, not refused: ablations
+    set one on purpose."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} (alpha, the weight of the old value) must be in [0, 1), got "
+                         f"{value!r}; torch's BatchNorm momentum m is alpha = 1 - m (0.1 -> 0.9)")
+    if value < TORCH_STYLE_MOMENTUM_BELOW:
+        warnings.warn(
+            f"{name}={value} keeps {100 * value:g}% of the running value per step: unnorm's "
+            f"{name} is the paper's alpha, the weight of the old value (torch's BatchNorm "
+            f"momentum 0.1 == alpha 0.9); pass 1 - {value} = {1 - value:g} for torch's "
+            f"behaviour. Values below {TORCH_STYLE_MOMENTUM_BELOW} are allowed (ablations go there on purpose)",
+            UserWarning, stacklevel=2)
+    return float(value)
 
 
 def unscaled(grad_stat: torch.Tensor, loss_scale: Optional[torch.Tensor]) -> torch.Tensor:

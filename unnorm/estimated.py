@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from .base import (StepCounted, builds_graph, channel_sum, channel_sum_sq, per_channel,
-                   replicas_active, statistic_ok, sum_over_replicas, unscaled, upcast,
+from .base import (StepCounted, builds_graph, channel_sum, channel_sum_sq, check_momentum,
+                   per_channel, replicas_active, statistic_ok, sum_over_replicas, unscaled, upcast,
                    zero_padding)
 
 
@@ -59,9 +59,7 @@ class EstimatedNorm(StepCounted):
                  warmup_iters: int = 0, sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.sync_stats = bool(sync_stats)  # sum statistics over data-parallel replicas
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
-        self.momentum = float(momentum)
+        self.momentum = check_momentum("momentum", momentum)
         self.warmup_iters = step_count("warmup_iters", warmup_iters)
 
     def inference_affine(self):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import upcast
+from .base import check_momentum, upcast
 from .estimated import EstimatedNorm, StepPlan
 
 
@@ -38,15 +38,18 @@ class PowerNorm(EstimatedNorm):
                          sync_stats=sync_stats, device=device, dtype=dtype)
         if layer_scale and (group_num < 1 or num_features % group_num):
             raise ValueError(f"group_num must divide num_features ({num_features}), got {group_num}")
-        if not 0.0 <= momentum_bwd < 1.0:
-            raise ValueError(f"momentum_bwd (alpha_bkw) must be in [0, 1), got {momentum_bwd}")
-        self.momentum_bwd = float(momentum_bwd)
+        self.momentum_bwd = check_momentum("momentum_bwd", momentum_bwd)
         self.layer_scale = bool(layer_scale)
         self.group_num = int(group_num)
         self.grad_stat_over_valid = not padded_in_backward
-        self.offline = not self.layer_scale
+        self.offline = self.offline_for(layer_scale=self.layer_scale)
         self.register_buffer("running_phi", torch.ones(num_features, device=device))
         self.register_buffer("ema_grad", torch.zeros(num_features, device=device))
+
+    @classmethod
+    def offline_for(cls, *, layer_scale: bool, **options) -> bool:
+        """The layer-scale divides each position by its own statistic: ``pn_ls`` is online."""
+        return not layer_scale
 
     def extra_repr(self) -> str:
         text = (f"{super().extra_repr()}, warmup={self.warmup_iters}, "

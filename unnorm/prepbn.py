@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import StepCounted, commit_on_backward, replicas_active, statistic_ok, upcast
+from .base import (StepCounted, check_momentum, commit_on_backward, replicas_active, statistic_ok,
+                   upcast)
 from .estimated import step_count
-from .simple import batch_standardize
+from .simple import batch_standardize, running_statistics
 
 
 class ProgressiveRepBN(StepCounted):
@@ -35,8 +36,7 @@ class ProgressiveRepBN(StepCounted):
                  r0: float = 1.0, momentum: float = 0.9, eps: float = 1e-5,
                  sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
+        self.momentum = check_momentum("momentum", momentum)
         if not (isinstance(r0, (int, float)) and math.isfinite(r0) and 0.0 <= r0 <= 1.0):
             raise ValueError(f"r0 (the LayerNorm share when the decay starts) must be in [0, 1], "
                              f"got {r0!r}")
@@ -45,7 +45,7 @@ class ProgressiveRepBN(StepCounted):
                              "trainers derive it from norm.decay_end and the run's length)")
         self.warmup_iters = step_count("warmup_iters", warmup_iters)
         self.decay_iters = step_count("decay_iters", decay_iters)
-        self.r0, self.momentum, self.sync_stats = float(r0), float(momentum), bool(sync_stats)
+        self.r0, self.sync_stats = float(r0), bool(sync_stats)
         factory = {"device": device, "dtype": dtype}
         self.bn_weight = nn.Parameter(torch.ones(num_features, **factory))
         self.bn_bias = nn.Parameter(torch.zeros(num_features, **factory))
@@ -86,11 +86,7 @@ class ProgressiveRepBN(StepCounted):
         share = self.layer_norm_share(step)
         mixed = share * layer_norm + (1 - share) * rep_bn
         out = torch.where(step <= self.warmup_iters, layer_norm, mixed)  # SLAB runs no BN in warm-up
-        alpha = self.momentum
-        unbiased = var * count / (count - 1).clamp_min(1)
         bn_on = step > self.warmup_iters
-        state = {"running_mean": torch.where(bn_on, alpha * self.running_mean + (1 - alpha) * mean,
-                                             self.running_mean),
-                 "running_var": torch.where(bn_on, alpha * self.running_var + (1 - alpha) * unbiased,
-                                            self.running_var)}
+        state = {name: torch.where(bn_on, value, getattr(self, name))
+                 for name, value in running_statistics(self, mean, var, count).items()}
         return commit_on_backward(out, self, valid, state, statistic_ok(var, count))

@@ -19,22 +19,21 @@ from .unified import UnifiedNorm
 @dataclass(frozen=True)
 class NormSpec:
     cls: type
-    offline: bool
     fixed: dict  # options the name implies (pn vs pn_ls)
     description: str
 
 
 _NORMS: dict[str, NormSpec] = {
-    "ln": NormSpec(LayerNorm, False, {}, "LayerNorm"),
-    "rms": NormSpec(RMSNorm, False, {}, "RMSNorm"),
-    "bn": NormSpec(BatchNorm, True, {}, "BatchNorm over batch x tokens"),
-    "mabn": NormSpec(MovingAverageBatchNorm, True, {}, "moving-average BatchNorm"),
-    "pn": NormSpec(PowerNorm, True, {"layer_scale": False}, "PowerNorm without layer-scale"),
-    "pn_ls": NormSpec(PowerNorm, False, {"layer_scale": True}, "PowerNorm with layer-scale"),
-    "nonorm": NormSpec(NoNorm, False, {}, "identity"),
-    "un": NormSpec(UnifiedNorm, True, {}, "Unified Normalization"),
-    "dyt": NormSpec(DynamicTanh, False, {}, "Dynamic Tanh, no statistics (affine foldable)"),
-    "prepbn": NormSpec(ProgressiveRepBN, True, {}, "LayerNorm handing over to RepBN (SLAB)"),
+    "ln": NormSpec(LayerNorm, {}, "LayerNorm"),
+    "rms": NormSpec(RMSNorm, {}, "RMSNorm"),
+    "bn": NormSpec(BatchNorm, {}, "BatchNorm over batch x tokens"),
+    "mabn": NormSpec(MovingAverageBatchNorm, {}, "moving-average BatchNorm"),
+    "pn": NormSpec(PowerNorm, {"layer_scale": False}, "PowerNorm without layer-scale"),
+    "pn_ls": NormSpec(PowerNorm, {"layer_scale": True}, "PowerNorm with layer-scale"),
+    "nonorm": NormSpec(NoNorm, {}, "identity"),
+    "un": NormSpec(UnifiedNorm, {}, "Unified Normalization"),
+    "dyt": NormSpec(DynamicTanh, {}, "Dynamic Tanh, no statistics (affine foldable)"),
+    "prepbn": NormSpec(ProgressiveRepBN, {}, "LayerNorm handing over to RepBN (SLAB)"),
 }
 
 # Arguments hosts pass to every norm; accepted whether or not the norm uses them.
@@ -53,7 +52,8 @@ def _spec(name: str) -> NormSpec:
 
 def is_offline(name: str) -> bool:
     """True where inference is a fixed per-channel affine (foldable into a linear layer)."""
-    return _spec(name).offline
+    spec = _spec(name)
+    return spec.cls.offline_for(**spec.fixed)
 
 
 def is_foldable(name: str) -> bool:
@@ -62,7 +62,7 @@ def is_foldable(name: str) -> bool:
     return is_offline(name) or hasattr(_spec(name).cls, "fold_parts")
 
 
-def norm_options(name: str) -> list[str]:
+def option_names(name: str) -> list[str]:
     """The options ``build_norm(name, C, **options)`` accepts."""
     params = inspect.signature(_spec(name).cls.__init__).parameters
     return [p for p in params if p not in ("self", "num_features", *_HOST_ARGS)
@@ -71,7 +71,7 @@ def norm_options(name: str) -> list[str]:
 
 def _check_options(name: str, options: dict) -> NormSpec:
     spec = _spec(name)
-    valid = norm_options(name)
+    valid = option_names(name)
     unknown = sorted(set(options) - set(valid) - set(_HOST_ARGS))
     if unknown:
         raise ValueError(f"norm {name!r} has no option(s) {', '.join(unknown)}; "

@@ -5,9 +5,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, commit_on_backward, replicas_active,
-                   row_count, statistic_ok, sum_over_replicas, upcast, zero_padding)
+from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_on_backward,
+                   replicas_active, row_count, statistic_ok, sum_over_replicas, upcast,
+                   zero_padding)
 
 
 class LayerNorm(ChannelNorm):
@@ -63,9 +65,7 @@ class BatchNorm(GuardedNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
                  sync_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum (alpha) must be in [0, 1), got {momentum}")
-        self.momentum = float(momentum)
+        self.momentum = check_momentum("momentum", momentum)
         self.sync_stats = bool(sync_stats)  # statistics over all data-parallel replicas
         self.register_buffer("running_mean", torch.zeros(num_features, device=device))
         self.register_buffer("running_var", torch.ones(num_features, device=device))
@@ -80,10 +80,7 @@ class BatchNorm(GuardedNorm):
             return torch.addcmul(shift, rows, scale)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats))
-        alpha = self.momentum
-        unbiased = var * count / (count - 1).clamp_min(1)
-        state = {"running_mean": alpha * self.running_mean + (1 - alpha) * mean,
-                 "running_var": alpha * self.running_var + (1 - alpha) * unbiased}
+        state = running_statistics(self, mean, var, count)
         if self._recording:
             self._tap.record_act(var)
         return commit_on_backward(self._affine(z, valid), self, valid, state,
@@ -92,6 +89,17 @@ class BatchNorm(GuardedNorm):
     def inference_affine(self):
         scale = upcast(self.weight) * torch.rsqrt(self.running_var + self.eps)
         return scale, upcast(self.bias) - scale * self.running_mean
+
+
+def running_statistics(norm: nn.Module, mean: torch.Tensor, var: torch.Tensor,
+                       count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The candidate ``running_mean``/``running_var`` of a BN-style ``norm`` after a batch of
+    ``count`` rows with ``mean`` and biased ``var``: EMAs keeping ``norm.momentum`` (alpha) of
+    the old value, the variance unbiased as torch's BatchNorm keeps it."""
+    alpha = norm.momentum
+    unbiased = var * count / (count - 1).clamp_min(1)
+    return {"running_mean": alpha * norm.running_mean + (1 - alpha) * mean,
+            "running_var": alpha * norm.running_var + (1 - alpha) * unbiased}
 
 
 def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,

@@ -1,7 +1,7 @@
 """Translation data: fairseq's binarised data under a data config's ``root``.
 
-IWSLT14 and WMT14 are prepared once by the user (``scripts/prepare_iwslt14.sh``; see the
-README for WMT14). The synthetic corpus is generated on first use and goes through the same
+IWSLT14 and WMT14 are prepared once by the user (``scripts/prepare_iwslt14.sh``; see
+docs/translation.md for WMT14). The synthetic corpus is generated on first use and goes through the same
 joint BPE and ``fairseq-preprocess --joined-dictionary`` (``scripts/bpe_binarize.sh``).
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
+from plugins.generated import generating
 
 from .synthetic import write_corpus
 
@@ -36,6 +38,14 @@ def prepare(data_cfg, fairseq_env: Path) -> Path:
         raise FileNotFoundError(
             f"data {data_cfg.name}: {root} lacks fairseq's binarised data ({missing[0].name} "
             f"and {len(missing) - 1} more); prepare it with: {data_cfg.prepare}")
+    with generating(root):
+        if any(not p.exists() for p in binarised_files(root, source, target)):
+            _generate_synthetic(data_cfg, root, fairseq_env)
+    return root
+
+
+def _generate_synthetic(data_cfg, root: Path, fairseq_env: Path) -> None:
+    source, target = data_cfg.source_lang, data_cfg.target_lang
     staging = root.with_name(root.name + ".tmp")  # renamed when complete: a kill leaves no half
     shutil.rmtree(staging, ignore_errors=True)
     write_corpus(staging / "tok", source_lang=source, target_lang=target, **data_cfg.synthetic)
@@ -45,4 +55,3 @@ def prepare(data_cfg, fairseq_env: Path) -> Path:
                    stdout=subprocess.DEVNULL)
     shutil.rmtree(root, ignore_errors=True)
     os.replace(staging, root)
-    return root

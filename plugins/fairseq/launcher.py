@@ -43,10 +43,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from plugins.logger import make_logger
-from plugins.norms import fit_norm_to_run, norm_options
+from plugins.norms import fit_norm_to_run, norm_kwargs
 from plugins.runlog import (METRICS_FILE, CollapseDetector, RunDirectory, TrainingCollapsed,
-                            record_collapse, rejected_steps)
+                            record_collapse, rejected_steps, run_logger, run_meta)
 from plugins.scale import command_line_values, effective_config, norm_steps_per_update
 
 from .checkpoints import REFUSALS
@@ -191,7 +190,7 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
     command = [*env.module("plugins.fairseq.train"), str(data), "--user-dir", str(USER_DIR),
                "--task", "translation", "--source-lang", cfg.data.source_lang,
                "--target-lang", cfg.data.target_lang, "--arch", cfg.model.arch,
-               *norm_flags(cfg.norm.name, norm_options(cfg.norm)), "--seed", str(cfg.seed),
+               *norm_flags(cfg.norm.name, norm_kwargs(cfg.norm)), "--seed", str(cfg.seed),
                "--save-dir", str(save_dir), "--keep-last-epochs", str(cfg.recipe.average_last),
                "--log-format", "json", "--num-workers", str(cfg.scale.num_workers)]
     if cfg.model.normalize_before:
@@ -345,18 +344,16 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
                         str((run.path / INIT).resolve()), trusted=trusted,
                         extra=["--reset-norm-steps"] * bool(cfg.reset_norm_steps)
                         + ["--", *command[len(env.module("plugins.fairseq.train")):]])
-    meta = {**meta, "task": "translation", "exp": cfg.exp_name, "model": cfg.model.name,
-            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
-            "norm_pad_mask": bool(cfg.model.norm_pad_mask), "seed": cfg.seed,
-            "scale": cfg.scale.name, "init": cfg.init_from or "scratch", "world_size": world,
-            "update_freq": cfg.recipe.train.update_freq, "run_dir": str(run.path)}
+    meta = {**meta, **run_meta(cfg, "translation", world, run.path,
+                               norm_pad_mask=bool(cfg.model.norm_pad_mask),
+                               init=cfg.init_from or "scratch",
+                               update_freq=cfg.recipe.train.update_freq)}
     print(f"{cfg.exp_name}: fairseq {cfg.model.arch} with {cfg.norm.name} on {cfg.data.name} "
           f"(scale {cfg.scale.name}, {world} {device} process(es), update_freq "
           f"{cfg.recipe.train.update_freq}{', resuming' if resumed else ''}); log: {run.path / 'train.log'}")
     (run.path / "train_command.txt").write_text(" ".join(command) + "\n")
     detector = CollapseDetector(**cfg.collapse)
-    logger = make_logger(cfg.logger, run.path, OmegaConf.to_container(cfg, resolve=True),
-                         name=f"{cfg.exp_name}-s{cfg.seed}")
+    logger = run_logger(cfg, run.path)
     try:
         update = run_training(command, env, run, detector, logger)
     except TrainingCollapsed as collapse:

@@ -36,7 +36,7 @@ def _registered_norm(name: str) -> type:
     """A class standing for one norm in the registry: constructing it builds ours."""
 
     def __new__(cls, num_features: int, **options):
-        if "eps" not in unnorm.norm_options(name):
+        if "eps" not in unnorm.option_names(name):
             options.pop("eps", None)  # build_norm_layer injects eps into every norm
         if "group_num" in options and options["group_num"] is None:
             raise ValueError(f"{MMDET_NAMES[name]} with group_num=None groups by the attention "

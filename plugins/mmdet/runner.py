@@ -51,10 +51,9 @@ from timm.optim import create_optimizer_v2
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
-from plugins.logger import make_logger
-from plugins.norms import norm_options
+from plugins.norms import norm_kwargs
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
-                            rejected_steps, save_atomic)
+                            rejected_steps, run_logger, run_meta, save_atomic)
 from plugins.training import (Distributed, begin_run, per_replica_buffers, read_checkpoint,
                               require_init, run_task)
 
@@ -227,7 +226,7 @@ def mmdet_config(cfg: DictConfig, out_dir: Path, world: Distributed) -> Config:
     """The mmdet config of this run: the paper's file, with our norm, data and schedule."""
     model, recipe, data = cfg.model, cfg.recipe, cfg.data
     mm = paper_config(cfg)
-    options = norm_options(cfg.norm)
+    options = norm_kwargs(cfg.norm)
     backbone = mm.model.backbone
     backbone.norm_cfg = norm_cfg(cfg.norm.name, **options)
     kwargs = OmegaConf.to_container(model.backbone.kwargs, resolve=True)
@@ -330,13 +329,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         init = cfg.init_from
     if world.main:
         mm.dump(str(out_dir / "mmdet_config.py"))
-    meta = {**meta, "task": "detection", "exp": cfg.exp_name, "model": cfg.model.name,
-            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
-            "seed": cfg.seed, "scale": cfg.scale.name, "epochs": cfg.recipe.epochs, "init": init,
-            "backend": "mmdet", "world_size": world.world, "run_dir": str(out_dir)}
+    meta = {**meta, **run_meta(cfg, "detection", world.world, out_dir, epochs=cfg.recipe.epochs,
+                               init=init, backend="mmdet")}
     runner = UnnormRunner.from_cfg(mm)
-    logger = make_logger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True),
-                         name=f"{cfg.exp_name}-s{cfg.seed}", enabled=world.main)
+    logger = run_logger(cfg, out_dir, enabled=world.main)
     hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger)
     runner.register_hook(hook, priority="LOW")
     model = _unwrapped(runner.model)

@@ -10,7 +10,7 @@ from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import nn
 
 import unnorm
-from plugins.norms import norm_options
+from plugins.norms import norm_kwargs
 
 from .t2t_vit import T2TViT
 
@@ -30,12 +30,12 @@ def create_classifier(timm_name: str, norm_cfg: Mapping, num_classes: int, img_s
 
 def groups_by_heads(norm_cfg: Mapping) -> bool:
     """PN with layer-scale whose ``group_num`` is left to the model (null)."""
-    return norm_cfg["name"] == "pn_ls" and norm_options(norm_cfg).get("group_num") is None
+    return norm_cfg["name"] == "pn_ls" and norm_kwargs(norm_cfg).get("group_num") is None
 
 
 def host_norm_layer(norm_cfg: Mapping):
     """The ``norm_layer`` a host model builds its norms with (PN's head groups come after)."""
-    options = norm_options(norm_cfg)
+    options = norm_kwargs(norm_cfg)
     if groups_by_heads(norm_cfg):
         options["group_num"] = 1  # until ``regroup`` knows each norm's block
     return unnorm.norm_layer(norm_cfg["name"], **options)
@@ -45,7 +45,7 @@ def regroup(model: nn.Module, norm_cfg: Mapping, heads: Mapping[str, int]) -> No
     """Rebuild the named PN-with-layer-scale norms with ``heads[name]`` groups."""
     for name, count in heads.items():
         old = model.get_submodule(name)
-        new = unnorm.build_norm("pn_ls", old.num_features, **{**norm_options(norm_cfg),
+        new = unnorm.build_norm("pn_ls", old.num_features, **{**norm_kwargs(norm_cfg),
                                                               "group_num": count})
         unnorm.replace_module(model, name, new.to(old.weight.device).train(old.training))
 

@@ -25,7 +25,6 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 __all__ = [
     'T2TViT',
     'TokensToToken',
-    'TokenPerformer',
     'PerformerAttention',
     'Block',
     'Attention',
@@ -112,30 +111,6 @@ class PerformerAttention(nn.Module):
         return v + self.proj_drop(self.proj(self.linear_attention(q, k, v)))
 
 
-class TokenPerformer(nn.Module):
-    """T2T token transformer layer: ``x = attn(norm1(x)); x = x + mlp(norm2(x))``."""
-
-    def __init__(
-            self,
-            dim: int,
-            out_dim: int,
-            kernel_ratio: float = 0.5,
-            mlp_ratio: float = 1.0,
-            proj_drop: float = 0.,
-            norm_layer: NormLayer = nn.LayerNorm,
-            act_layer: Callable[[], nn.Module] = nn.GELU,
-    ):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = PerformerAttention(dim, out_dim, kernel_ratio=kernel_ratio, proj_drop=proj_drop)
-        self.norm2 = norm_layer(out_dim)
-        self.mlp = Mlp(out_dim, int(out_dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
 def _split_grid(size: Tuple[int, int], split: nn.Unfold) -> Tuple[int, int]:
     """Spatial grid of the patches an ``nn.Unfold`` (built with int arguments) extracts from ``size``."""
     return tuple((s + 2 * split.padding - split.kernel_size) // split.stride + 1 for s in size)
@@ -158,14 +133,19 @@ class TokensToToken(nn.Module):
             act_layer: Callable[[], nn.Module] = nn.GELU,
     ):
         super().__init__()
-        layer = partial(
-            TokenPerformer, kernel_ratio=kernel_ratio, mlp_ratio=1.0, proj_drop=drop_rate,
-            norm_layer=norm_layer, act_layer=act_layer,
-        )
+
+        def token_transformer(dim: int) -> Block:
+            """A token transformer from ``dim`` to ``token_dim`` channels: Performer attention, MLP ratio 1."""
+            attn_layer = partial(PerformerAttention, dim, token_dim, kernel_ratio=kernel_ratio, proj_drop=drop_rate)
+            return Block(
+                dim, attn_layer, mlp_ratio=1.0, proj_drop=drop_rate, norm_layer=norm_layer, act_layer=act_layer,
+                out_dim=token_dim, attn_residual=False,
+            )
+
         self.split0 = nn.Unfold(kernel_size=7, stride=4, padding=2)
-        self.layer1 = layer(in_chans * 7 * 7, token_dim)
+        self.layer1 = token_transformer(in_chans * 7 * 7)
         self.split1 = nn.Unfold(kernel_size=3, stride=2, padding=1)
-        self.layer2 = layer(token_dim * 3 * 3, token_dim)
+        self.layer2 = token_transformer(token_dim * 3 * 3)
         self.split2 = nn.Unfold(kernel_size=3, stride=2, padding=1)
         self.proj = nn.Linear(token_dim * 3 * 3, embed_dim)
 
@@ -201,30 +181,40 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm ViT block with stochastic depth on both residual branches."""
+    """Pre-norm Transformer block, ``x = x + attn(norm1(x)); x = x + mlp(norm2(x))``, with stochastic
+    depth on both residual branches: the backbone's blocks (``Attention``) and T2T's token transformers.
+
+    ``attn_layer()`` builds the attention from ``dim`` to ``out_dim`` (default ``dim``) channels.
+    ``attn_residual=False`` is for an attention that changes the width and so carries its residual
+    inside (``PerformerAttention``, on its value path): its output replaces ``x``.
+    """
 
     def __init__(
             self,
             dim: int,
-            num_heads: int,
+            attn_layer: Callable[[], nn.Module],
             mlp_ratio: float = 4.0,
-            qkv_bias: bool = False,
             proj_drop: float = 0.,
-            attn_drop: float = 0.,
             drop_path: float = 0.,
             norm_layer: NormLayer = nn.LayerNorm,
             act_layer: Callable[[], nn.Module] = nn.GELU,
+            *,
+            out_dim: Optional[int] = None,
+            attn_residual: bool = True,
     ):
         super().__init__()
+        out_dim = out_dim or dim
+        self.attn_residual = attn_residual
         self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.attn = attn_layer()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+        self.norm2 = norm_layer(out_dim)
+        self.mlp = Mlp(out_dim, int(out_dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        attended = self.drop_path1(self.attn(self.norm1(x)))
+        x = x + attended if self.attn_residual else attended
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
@@ -279,10 +269,13 @@ class T2TViT(nn.Module):
         self.register_buffer('pos_embed', sinusoid_position_embedding(self.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
         drop_path_rates = torch.linspace(0, drop_path_rate, depth).tolist()
+        attention = partial(
+            Attention, embed_dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate,
+        )
         self.blocks = nn.Sequential(*[
             Block(
-                embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
-                attn_drop=attn_drop_rate, drop_path=dpr, norm_layer=norm_layer, act_layer=act_layer,
+                embed_dim, attention, mlp_ratio=mlp_ratio, proj_drop=drop_rate, drop_path=dpr,
+                norm_layer=norm_layer, act_layer=act_layer,
             )
             for dpr in drop_path_rates
         ])

@@ -6,7 +6,6 @@ resumes from it; a collapse ends the run cleanly with ``status: FAIL`` in ``resu
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -18,20 +17,14 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, accuracy
 from torch import nn
-from tqdm import tqdm
 
-import unnorm
-from plugins.logger import make_logger
-from plugins.norms import norm_options
-from plugins.runlog import CollapseDetector, TrainingCollapsed, record_collapse, rejected_steps
-from plugins.training import (Checkpointer, Distributed, amp_context, begin_run, data_parallel,
-                              epoch_plan, load_weights, optimizer_step, require_init, run_task,
-                              save_statistics)
+from plugins.loop import CHECKPOINT, EpochLoop
+from plugins.runlog import run_meta
+from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
+                              load_weights, require_init, run_task)
 
 from .data import build_datasets
 from .models import model_from_config
-
-CHECKPOINT = "last.pt"
 
 
 def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: float) -> list[dict]:
@@ -87,9 +80,9 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch, CHECKPOINT)
     if finished is not None:
         return finished
-    loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
-                   "persistent_workers": cfg.scale.num_workers > 0}
-    val_loader = torch.utils.data.DataLoader(world.shard(val_set), batch_size=batch, **loader_args)
+    val_loader = torch.utils.data.DataLoader(
+        world.shard(val_set), batch_size=batch, num_workers=cfg.scale.num_workers,
+        pin_memory=device.type == "cuda", persistent_workers=cfg.scale.num_workers > 0)
 
     num_classes = cfg.data.num_classes
     model = model_from_config(cfg).to(device)
@@ -118,90 +111,33 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     else:
         criterion = nn.CrossEntropyLoss()
     amp, scaler = amp_context(cfg.amp, device, model)
-    detector = CollapseDetector(**cfg.collapse)
-    start_epoch, step = 0, 0
-
-    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
-                              model=model, optimizer=optimizer,
-                              scheduler=scheduler, collapse=detector, scaler=scaler,
-                              model_ema=ema.module if ema is not None else None)
-    state = checkpoint.resume()
-    if state is not None:
-        start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
+    averaged = ema.module if ema is not None else None
+    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler,
+                     replicas=[m for m in (model, averaged) if m is not None], model_ema=averaged)
+    init = loop.resume(init)
 
     if cfg.compile:  # in place: state-dict keys stay as they are
         model.compile()
         if ema is not None:
             ema.module.compile()
     net = data_parallel(model, device) if world.world > 1 else model
-    meta = {**meta, "task": "classification", "exp": cfg.exp_name, "model": cfg.model.name,
-            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
-            "seed": cfg.seed, "scale": cfg.scale.name, "epochs": epochs, "init": init,
-            "world_size": world.world, "run_dir": str(out_dir)}
-    logger = make_logger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True),
-                         name=f"{cfg.exp_name}-s{cfg.seed}", enabled=world.main)
-    recorder = unnorm.record_statistics(model) if cfg.record_statistics else None
-    metrics: dict = {}
-    try:
-        for epoch in range(start_epoch, epochs):
-            net.train()
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-            generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-            loader = torch.utils.data.DataLoader(
-                train_set, batch_size=batch, sampler=sampler, shuffle=sampler is None,
-                generator=generator, drop_last=True, **loader_args)
-            progress = tqdm(loader, total=steps_per_epoch, disable=None if world.main else True,
-                            desc=f"epoch {epoch + 1}/{epochs}", leave=False)
-            started, stats_chunks = time.time(), []
-            loss_sum = torch.zeros((), device=device)
-            for batch_index, (images, targets) in enumerate(progress):
-                if batch_index >= steps_per_epoch:
-                    break
-                images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-                if mixup is not None:
-                    images, targets = mixup(images, targets)
-                with amp():
-                    loss = criterion(net(images), targets)
-                optimizer_step(loss, optimizer, scaler, recipe.clip_grad, model.parameters())
-                step += 1
-                scheduler.step_update(num_updates=step)
-                if ema is not None:
-                    ema.update(model, step=step)
-                reduced_loss = world.mean(loss.detach())
-                loss_sum += reduced_loss
-                detector.update(step, reduced_loss)
-                if recorder is not None and step % detector.check_every == 0:
-                    stats_chunks.append(recorder.flush())
-                if world.main and step % detector.check_every == 0:
-                    progress.set_postfix(loss=f"{detector.last_loss:.3f}",
-                                         lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-            detector.check()
-            scheduler.step(epoch + 1)
-            for replicated in (model, ema.module if ema is not None else None):
-                if replicated is not None:  # one norm state: what is scored is what is saved
-                    unnorm.distribute_norm_state(replicated, cfg.norm_sync)
-            metrics = evaluate(model, val_loader, world, amp)
-            if ema is not None:
-                metrics.update({f"{k}_ema": v for k, v in evaluate(ema.module, val_loader, world, amp).items()})
-            metrics.update(epoch=epoch + 1, step=step, train_loss=(loss_sum / steps_per_epoch).item(),
-                           lr=optimizer.param_groups[0]["lr"], epoch_time_s=time.time() - started)
-            run.log(**metrics)
-            logger.log(metrics, step=step)
-            if recorder is not None:
-                stats_chunks.append(recorder.flush())
-                save_statistics(run, epoch, stats_chunks)
-            if world.main:
-                print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
-                      f"top1 {metrics['top1']:.2f}" + (f" (ema {metrics['top1_ema']:.2f})" if ema else ""))
-            checkpoint.save(epoch=epoch, step=step, init=init, config=OmegaConf.to_container(cfg))
-        meta.update(steps=step, **rejected_steps(model.state_dict()))
-        result = run.write_result(status="ok", metrics=metrics, meta=meta)
-    except TrainingCollapsed as collapse:
-        meta.update(rejected_steps(model.state_dict()))
-        result = record_collapse(run, collapse, metrics, meta)
-    finally:
-        if recorder is not None:
-            recorder.close()
-        logger.finish()
-    return result
+
+    def forward(batch):
+        images, targets = (t.to(device, non_blocking=True) for t in batch)
+        if mixup is not None:
+            images, targets = mixup(images, targets)
+        with amp():
+            return criterion(net(images), targets)
+
+    def scores(epoch: int) -> dict:
+        metrics = evaluate(model, val_loader, world, amp)
+        if ema is not None:
+            metrics.update({f"{k}_ema": v for k, v in evaluate(ema.module, val_loader, world, amp).items()})
+        return metrics
+
+    return loop.fit(
+        net, train_set, batch, sampler, steps_per_epoch, epochs, forward=forward, evaluate=scores,
+        after_update=(lambda step: ema.update(model, step=step)) if ema is not None else None,
+        summary=lambda m: f"top1 {m['top1']:.2f}" + (f" (ema {m['top1_ema']:.2f})" if ema else ""),
+        meta={**meta, **run_meta(cfg, "classification", world.world, out_dir)}, init=init,
+        clip_grad=recipe.clip_grad)

@@ -21,6 +21,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
+from plugins.generated import generating
+
 CATEGORIES = [{"id": 1, "name": "circle", "supercategory": "shape"},
               {"id": 2, "name": "square", "supercategory": "shape"},
               {"id": 3, "name": "triangle", "supercategory": "shape"}]
@@ -112,16 +114,16 @@ def generate_split(root: Path, split: str, count: int, size: int, seed: int) -> 
 
 def ensure_shapes(root: Path, num_train: int, num_val: int, size: int, seed: int = 0) -> Path:
     """Generate the set at ``root`` unless this exact set (sizes, seed, version) is there."""
-    root = Path(root)
     wanted = {"train": num_train, "val": num_val}
-    for split, count in wanted.items():
-        path = root / "annotations" / f"instances_{split}.json"
-        if path.exists():
-            info = json.loads(path.read_text())
-            if (len(info["images"]) == count and info["info"].get("seed") == seed
-                    and info["info"].get("version") == VERSION and info["images"][0]["width"] == size):
-                continue
-        generate_split(root, split, count, size, seed)
+    with generating(root) as root:
+        for split, count in wanted.items():
+            path = root / "annotations" / f"instances_{split}.json"
+            if path.exists():
+                info = json.loads(path.read_text())
+                if (len(info["images"]) == count and info["info"].get("seed") == seed
+                        and info["info"].get("version") == VERSION and info["images"][0]["width"] == size):
+                    continue
+            generate_split(root, split, count, size, seed)
     return root
 
 

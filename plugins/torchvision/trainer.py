@@ -8,29 +8,22 @@ resumes from it; a collapse ends the run cleanly with ``status: FAIL`` in ``resu
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
-from tqdm import tqdm
 
-import unnorm
-from plugins.logger import make_logger
-from plugins.norms import norm_options
-from plugins.runlog import CollapseDetector, TrainingCollapsed, record_collapse, rejected_steps
-from plugins.training import (Checkpointer, Distributed, amp_context, begin_run, data_parallel,
-                              epoch_plan, load_weights, optimizer_step, require_init, run_task,
-                              save_statistics)
+from plugins.loop import CHECKPOINT, EpochLoop
+from plugins.runlog import run_meta
+from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
+                              load_weights, require_init, run_task)
 
 from .coco import CocoInstances, coco_evaluate, collate, to_coco_results
 from .detectors import CLASSIFIER_ONLY, build_detector
 from .shapes import ensure_shapes
-
-CHECKPOINT = "last.pt"
 
 
 def build_datasets(data_cfg, masks: bool) -> tuple[CocoInstances, CocoInstances]:
@@ -101,88 +94,29 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         warmup_lr=peak_lr * recipe.warmup_ratio, step_on_epochs=False,
         updates_per_epoch=steps_per_epoch)
     amp, scaler = amp_context(cfg.amp, device, model)
-    detector = CollapseDetector(**cfg.collapse)
-    start_epoch, step = 0, 0
-
-    checkpoint = Checkpointer(out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
-                              model=model, optimizer=optimizer,
-                              scheduler=scheduler, collapse=detector, scaler=scaler)
-    state = checkpoint.resume()
-    if state is not None:
-        start_epoch, step, init = state["epoch"] + 1, state["step"], state["init"]
+    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler,
+                     stats_module=model.backbone)
+    init = loop.resume(init)
 
     if cfg.compile:  # the backbone: torchvision's heads branch on data; in place, keys unchanged
         model.backbone.compile(dynamic=True)
     net = data_parallel(model, device) if world.world > 1 else model
-    meta = {**meta, "task": "detection", "exp": cfg.exp_name, "model": cfg.model.name,
-            "data": cfg.data.name, "norm": cfg.norm.name, "norm_options": norm_options(cfg.norm),
-            "seed": cfg.seed, "scale": cfg.scale.name, "epochs": epochs, "init": init,
-            "backend": "torchvision", "world_size": world.world, "run_dir": str(out_dir)}
-    logger = make_logger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True),
-                         name=f"{cfg.exp_name}-s{cfg.seed}", enabled=world.main)
-    loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
-                   "persistent_workers": cfg.scale.num_workers > 0, "collate_fn": collate}
-    recorder = unnorm.record_statistics(model.backbone) if cfg.record_statistics else None
-    metrics: dict = {}
-    try:
-        for epoch in range(start_epoch, epochs):
-            net.train()
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-            loader = torch.utils.data.DataLoader(
-                train_set, batch_size=batch, sampler=sampler, shuffle=sampler is None,
-                generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch), drop_last=True,
-                **loader_args)
-            progress = tqdm(loader, total=steps_per_epoch, disable=None if world.main else True,
-                            desc=f"epoch {epoch + 1}/{epochs}", leave=False)
-            started, stats_chunks = time.time(), []
-            loss_sums: dict[str, torch.Tensor] = {}
-            for batch_index, (images, targets) in enumerate(progress):
-                if batch_index >= steps_per_epoch:
-                    break
-                images = [image.to(device, non_blocking=True) for image in images]
-                targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()}
-                           for t in targets]
-                with amp():
-                    losses = net(images, targets)
-                loss = sum(losses.values())
-                optimizer_step(loss, optimizer, scaler, recipe.clip_grad, model.parameters())
-                step += 1
-                scheduler.step_update(num_updates=step)
-                for name, value in losses.items():
-                    loss_sums[name] = loss_sums.get(name, 0) + value.detach().float()
-                reduced_loss = world.mean(loss.detach())
-                detector.update(step, reduced_loss)
-                if recorder is not None and step % detector.check_every == 0:
-                    stats_chunks.append(recorder.flush())
-                if world.main and step % detector.check_every == 0:
-                    progress.set_postfix(loss=f"{detector.last_loss:.3f}",
-                                         lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-            detector.check()
-            # one norm state for every replica: what is scored is what is saved
-            unnorm.distribute_norm_state(model, cfg.norm_sync)
-            metrics = {"epoch": epoch + 1, "step": step, "lr": optimizer.param_groups[0]["lr"],
-                       "train_loss": sum(world.mean(v) for v in loss_sums.values()).item() / steps_per_epoch,
-                       **{f"train_{k}": world.mean(v).item() / steps_per_epoch for k, v in loss_sums.items()},
-                       "epoch_time_s": time.time() - started}
-            if (epoch + 1) % recipe.eval_every == 0 or epoch + 1 == epochs:
-                metrics.update(evaluate(model, val_set, batch, world, amp, iou_types))
-            run.log(**metrics)
-            logger.log(metrics, step=step)
-            if recorder is not None:
-                stats_chunks.append(recorder.flush())
-                save_statistics(run, epoch, stats_chunks)
-            if world.main:
-                scores = " ".join(f"{k} {metrics[k]:.2f}" for k in ("bbox_AP", "segm_AP") if k in metrics)
-                print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} {scores}")
-            checkpoint.save(epoch=epoch, step=step, init=init, config=OmegaConf.to_container(cfg))
-        meta.update(steps=step, **rejected_steps(model.state_dict()))
-        result = run.write_result(status="ok", metrics=metrics, meta=meta)
-    except TrainingCollapsed as collapse:
-        meta.update(rejected_steps(model.state_dict()))
-        result = record_collapse(run, collapse, metrics, meta)
-    finally:
-        if recorder is not None:
-            recorder.close()
-        logger.finish()
-    return result
+
+    def forward(batch):
+        images, targets = batch
+        images = [image.to(device, non_blocking=True) for image in images]
+        targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()}
+                   for t in targets]
+        with amp():
+            return net(images, targets)
+
+    def scores(epoch: int) -> dict:
+        if (epoch + 1) % recipe.eval_every and epoch + 1 != epochs:
+            return {}
+        return evaluate(model, val_set, batch, world, amp, iou_types)
+
+    return loop.fit(
+        net, train_set, batch, sampler, steps_per_epoch, epochs, forward=forward, evaluate=scores,
+        summary=lambda m: " ".join(f"{k} {m[k]:.2f}" for k in ("bbox_AP", "segm_AP") if k in m),
+        meta={**meta, **run_meta(cfg, "detection", world.world, out_dir, backend="torchvision")},
+        init=init, collate_fn=collate, clip_grad=recipe.clip_grad)

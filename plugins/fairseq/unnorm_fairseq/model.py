@@ -38,7 +38,7 @@ import unnorm
 from plugins.fairseq.flags import OPTIONS, boolean, dest
 
 
-def norm_options(cfg) -> dict:
+def options_from_args(cfg) -> dict:
     """The ``--un-*`` options that are set (an unset one leaves the norm's default)."""
     return {option: getattr(cfg, dest(option)) for option in OPTIONS
             if getattr(cfg, dest(option), None) is not None}
@@ -48,7 +48,7 @@ def build_norm(cfg, dim: int, heads: int) -> nn.Module:
     """The norm ``--norm-type`` names, with its options, for a block of ``heads`` attention
     heads: PowerNorm's layer-scale groups by them when ``--un-group-num`` is unset, as its
     release does (4 groups in IWSLT's model, 8 in WMT's)."""
-    options = norm_options(cfg)
+    options = options_from_args(cfg)
     if cfg.norm_type == "pn_ls" and options.get("group_num") is None:
         options["group_num"] = heads
     return unnorm.build_norm(cfg.norm_type, dim, **options)
@@ -162,7 +162,7 @@ class UnnormTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        unnorm.norm_layer(args.norm_type, **norm_options(args))  # a wrong option fails first
+        unnorm.norm_layer(args.norm_type, **options_from_args(args))  # a wrong option fails first
         for unsupported in ("layernorm_embedding", "checkpoint_activations", "offload_activations"):
             if getattr(args, unsupported, False):
                 raise ValueError(f"unnorm_transformer does not support --{unsupported.replace('_', '-')}")

@@ -1,0 +1,148 @@
+"""The training loop every trainer of ours shares (classification, torchvision detection):
+epochs of optimizer updates, the collapse watch, the replicas' norm state made one before
+each evaluation and save, metrics, statistics taps, checkpoints and resume, the result.
+
+A trainer builds its data, model, optimizer and schedule, then hands the loop what differs
+between tasks: how a batch becomes a loss (``forward``), what happens after an update (an
+EMA), how the model is scored (``evaluate``) and what the progress line adds (``summary``).
+fairseq and mmdetection train in their own loops and share the records
+(``plugins.runlog``).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from tqdm import tqdm
+
+import unnorm
+from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
+                            rejected_steps, run_logger)
+from plugins.training import Checkpointer, Distributed, optimizer_step, save_statistics
+
+CHECKPOINT = "last.pt"
+
+Losses = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+
+
+class EpochLoop:
+    """One run's training loop. ``parts`` are further stateful parts to checkpoint by name
+    (an EMA model); ``replicas`` are the modules whose norm state is made one across the
+    replicas (``norm_sync``) before every evaluation and save (default: ``model``);
+    ``stats_module`` is what ``record_statistics=true`` taps (default: ``model``)."""
+
+    def __init__(self, cfg: DictConfig, out_dir: Path, world: Distributed, run: RunDirectory,
+                 model: nn.Module, optimizer, scheduler, scaler, *,
+                 replicas: Sequence[nn.Module] = (), stats_module: Optional[nn.Module] = None,
+                 **parts):
+        self.cfg, self.out_dir, self.world, self.run = cfg, Path(out_dir), world, run
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.replicas = list(replicas) or [model]
+        self.stats_module = stats_module if stats_module is not None else model
+        self.detector = CollapseDetector(**cfg.collapse)
+        self.checkpoint = Checkpointer(self.out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
+                                       model=model, optimizer=optimizer, scheduler=scheduler,
+                                       collapse=self.detector, scaler=scaler, **parts)
+        self.start_epoch, self.step = 0, 0
+
+    def resume(self, init: str) -> str:
+        """Load ``last.pt`` if the run has one; returns the run's ``init`` description."""
+        state = self.checkpoint.resume()
+        if state is None:
+            return init
+        self.start_epoch, self.step = state["epoch"] + 1, state["step"]
+        return state["init"]
+
+    def fit(self, net: nn.Module, train_set, batch_size: int, sampler, steps_per_epoch: int,
+            epochs: int, *, forward: Callable[[object], Losses],
+            evaluate: Callable[[int], dict], meta: dict, init: str,
+            after_update: Optional[Callable[[int], None]] = None,
+            summary: Callable[[dict], str] = lambda metrics: "",
+            collate_fn=None, clip_grad: Optional[float] = None) -> dict:
+        """Train epochs ``start_epoch..epochs`` and write the result; returns it.
+
+        ``forward(batch)`` returns the loss, or a dict of losses that add up to it (each
+        recorded as ``train_<name>``); ``evaluate(epoch)`` the epoch's scores (may be empty);
+        ``after_update(step)`` runs after each optimizer update.
+        """
+        cfg, world, device = self.cfg, self.world, self.world.device
+        loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
+                       "persistent_workers": cfg.scale.num_workers > 0, "collate_fn": collate_fn}
+        logger = run_logger(cfg, self.out_dir, enabled=world.main)
+        recorder = unnorm.record_statistics(self.stats_module) if cfg.record_statistics else None
+        detector, step = self.detector, self.step
+        metrics: dict = {}
+        try:
+            for epoch in range(self.start_epoch, epochs):
+                net.train()
+                if sampler is not None:
+                    sampler.set_epoch(epoch)
+                loader = torch.utils.data.DataLoader(
+                    train_set, batch_size=batch_size, sampler=sampler, shuffle=sampler is None,
+                    generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
+                    drop_last=True, **loader_args)
+                progress = tqdm(loader, total=steps_per_epoch, disable=None if world.main else True,
+                                desc=f"epoch {epoch + 1}/{epochs}", leave=False)
+                started, stats_chunks = time.time(), []
+                loss_sums: dict[str, torch.Tensor] = {}
+                for batch in _first(progress, steps_per_epoch):
+                    losses = forward(batch)
+                    parts = dict(losses) if isinstance(losses, Mapping) else {}
+                    loss = sum(parts.values()) if parts else losses
+                    optimizer_step(loss, self.optimizer, self.scaler, clip_grad, self.model.parameters())
+                    step += 1
+                    self.scheduler.step_update(num_updates=step)
+                    if after_update is not None:
+                        after_update(step)
+                    for name, value in {"loss": loss, **parts}.items():
+                        loss_sums[name] = loss_sums.get(name, 0) + value.detach().float()
+                    detector.update(step, world.mean(loss.detach()))
+                    if step % detector.check_every == 0:
+                        if recorder is not None:
+                            stats_chunks.append(recorder.flush())
+                        if world.main:
+                            progress.set_postfix(loss=f"{detector.last_loss:.3f}",
+                                                 lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
+                detector.check()
+                self.scheduler.step(epoch + 1)  # per-epoch schedules; a no-op for per-update ones
+                for module in self.replicas:  # one norm state: what is scored is what is saved
+                    unnorm.distribute_norm_state(module, cfg.norm_sync)
+                means = {name: world.mean(total).item() / steps_per_epoch
+                         for name, total in loss_sums.items()}
+                metrics = {"epoch": epoch + 1, "step": step,
+                           "lr": self.optimizer.param_groups[0]["lr"],
+                           **{f"train_{name}": value for name, value in means.items()},
+                           "epoch_time_s": time.time() - started, **evaluate(epoch)}
+                self.run.log(**metrics)
+                logger.log(metrics, step=step)
+                if recorder is not None:
+                    stats_chunks.append(recorder.flush())
+                    save_statistics(self.run, epoch, stats_chunks)
+                if world.main:
+                    print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
+                          f"{summary(metrics)}".rstrip())
+                self.checkpoint.save(epoch=epoch, step=step, init=init,
+                                     config=OmegaConf.to_container(cfg))
+            meta = {**meta, "epochs": epochs, "init": init}
+            meta.update(steps=step, **rejected_steps(self.model.state_dict()))
+            result = self.run.write_result(status="ok", metrics=metrics, meta=meta)
+        except TrainingCollapsed as collapse:
+            meta = {**meta, "epochs": epochs, "init": init, **rejected_steps(self.model.state_dict())}
+            result = record_collapse(self.run, collapse, metrics, meta)
+        finally:
+            if recorder is not None:
+                recorder.close()
+            logger.finish()
+        return result
+
+
+def _first(batches: Iterable, count: int):
+    """The first ``count`` batches (an epoch may stop short of the loader's end)."""
+    for index, batch in enumerate(batches):
+        if index >= count:
+            return
+        yield batch
