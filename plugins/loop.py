@@ -11,6 +11,8 @@ fairseq and mmdetection train in their own loops and share the records
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
+from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -22,7 +24,8 @@ from tqdm import tqdm
 import unnorm
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
                             rejected_steps, run_logger)
-from plugins.training import Checkpointer, Distributed, optimizer_step, save_statistics
+from plugins.training import (Checkpointer, Distributed, backward, optimizer_step,
+                              save_statistics)
 
 CHECKPOINT = "last.pt"
 
@@ -62,12 +65,14 @@ class EpochLoop:
             evaluate: Callable[[int], dict], meta: dict, init: str,
             after_update: Optional[Callable[[int], None]] = None,
             summary: Callable[[dict], str] = lambda metrics: "",
-            collate_fn=None, clip_grad: Optional[float] = None) -> dict:
-        """Train epochs ``start_epoch..epochs`` and write the result; returns it.
+            collate_fn=None, clip_grad: Optional[float] = None, accumulate: int = 1) -> dict:
+        """Train epochs ``start_epoch..epochs`` of ``steps_per_epoch`` optimizer updates and
+        write the result; returns it.
 
         ``forward(batch)`` returns the loss, or a dict of losses that add up to it (each
         recorded as ``train_<name>``); ``evaluate(epoch)`` the epoch's scores (may be empty);
-        ``after_update(step)`` runs after each optimizer update.
+        ``after_update(step)`` runs after each optimizer update. Each update accumulates the
+        gradients of ``accumulate`` micro-batches (the norms count micro-batches).
         """
         cfg, world, device = self.cfg, self.world, self.world.device
         loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
@@ -85,22 +90,31 @@ class EpochLoop:
                     train_set, batch_size=batch_size, sampler=sampler, shuffle=sampler is None,
                     generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
                     drop_last=True, **loader_args)
-                progress = tqdm(loader, total=steps_per_epoch, disable=None if world.main else True,
+                progress = tqdm(loader, total=steps_per_epoch * accumulate,
+                                disable=None if world.main else True,
                                 desc=f"epoch {epoch + 1}/{epochs}", leave=False)
                 started, stats_chunks = time.time(), []
                 loss_sums: dict[str, torch.Tensor] = {}
-                for batch in _first(progress, steps_per_epoch):
-                    losses = forward(batch)
-                    parts = dict(losses) if isinstance(losses, Mapping) else {}
-                    loss = sum(parts.values()) if parts else losses
-                    optimizer_step(loss, self.optimizer, self.scaler, clip_grad, self.model.parameters())
+                for micro_batches in _updates(progress, steps_per_epoch, accumulate):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    update_sums: dict[str, torch.Tensor] = {}
+                    for index, batch in enumerate(micro_batches):
+                        last = index == accumulate - 1  # DDP reduces the gradients once, at the last
+                        with nullcontext() if last or world.world == 1 else net.no_sync():
+                            losses = forward(batch)
+                            parts = dict(losses) if isinstance(losses, Mapping) else {}
+                            loss = sum(parts.values()) if parts else losses
+                            backward(loss / accumulate, self.scaler)
+                        for name, value in {"loss": loss, **parts}.items():
+                            update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
+                    optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
                     step += 1
                     self.scheduler.step_update(num_updates=step)
                     if after_update is not None:
                         after_update(step)
-                    for name, value in {"loss": loss, **parts}.items():
-                        loss_sums[name] = loss_sums.get(name, 0) + value.detach().float()
-                    detector.update(step, world.mean(loss.detach()))
+                    for name, value in update_sums.items():
+                        loss_sums[name] = loss_sums.get(name, 0) + value
+                    detector.update(step, world.mean(update_sums["loss"]))
                     if step % detector.check_every == 0:
                         if recorder is not None:
                             stats_chunks.append(recorder.flush())
@@ -140,9 +154,12 @@ class EpochLoop:
         return result
 
 
-def _first(batches: Iterable, count: int):
-    """The first ``count`` batches (an epoch may stop short of the loader's end)."""
-    for index, batch in enumerate(batches):
-        if index >= count:
+def _updates(batches: Iterable, count: int, accumulate: int):
+    """The micro-batches of the first ``count`` updates, ``accumulate`` at a time (an epoch
+    may stop short of the loader's end)."""
+    iterator = iter(batches)
+    for _ in range(count):
+        micro_batches = list(islice(iterator, accumulate))
+        if len(micro_batches) < accumulate:
             return
-        yield batch
+        yield micro_batches

@@ -50,7 +50,20 @@ def norm_steps_per_update(cfg: DictConfig) -> int:
             raise ValueError(f"recipe.train.update_freq must be an int >= 1 (micro-batches per "
                              f"update), got {update_freq!r}")
         return update_freq
+    if cfg.task == "language_modelling":
+        return micro_batches_per_update(cfg.recipe, world_size=1)
     return 1
+
+
+def micro_batches_per_update(recipe: DictConfig, world_size: int) -> int:
+    """Language modelling's gradient accumulation: ``batch_size`` sequences per update over
+    every replica, ``micro_batch_size`` per forward/backward of one."""
+    per_replica, rest = divmod(recipe.batch_size, recipe.micro_batch_size * world_size)
+    if rest or per_replica < 1:
+        raise ValueError(f"recipe.batch_size {recipe.batch_size} is not a multiple of "
+                         f"recipe.micro_batch_size {recipe.micro_batch_size} x {world_size} "
+                         "replica(s); set recipe.micro_batch_size so that it is")
+    return per_replica
 
 
 def lr_warmup_steps(cfg: DictConfig) -> float:
@@ -63,6 +76,8 @@ def lr_warmup_steps(cfg: DictConfig) -> float:
     recipe = cfg.recipe
     if cfg.task == "translation":
         warmup, length = recipe.train.warmup_updates, recipe.train.max_update
+    elif cfg.task == "language_modelling":
+        warmup, length = recipe.warmup_steps, recipe.max_steps
     elif cfg.task == "detection":
         per_epoch = cfg.data.num_train / recipe.batch_size
         warmup, length = recipe.warmup_iters, recipe.epochs * per_epoch

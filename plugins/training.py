@@ -162,19 +162,21 @@ def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None,
     return state
 
 
-def optimizer_step(loss: torch.Tensor, optimizer, scaler, clip_grad: Optional[float],
-                   parameters) -> None:
-    """Backward (scaled under fp16 autocast), optional gradient-norm clipping, and the step."""
-    optimizer.zero_grad(set_to_none=True)
+def backward(loss: torch.Tensor, scaler) -> None:
+    """The loss's backward, scaled under fp16 autocast."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters) -> None:
+    """Optional gradient-norm clipping (of the unscaled gradients), the step, and the
+    scaler's update."""
     if scaler is not None:
-        scaler.scale(loss).backward()
         if clip_grad:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
         scaler.step(optimizer)
         scaler.update()
     else:
-        loss.backward()
         if clip_grad:
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
         optimizer.step()

@@ -124,12 +124,14 @@ def test_missing_coco_root_names_the_fix(tmp_path):
         train(config("+exp=mask_rcnn_swin_t_un", "logger=none"), tmp_path / "run")
 
 
-@pytest.mark.parametrize("model", ["faster_rcnn_swin_t", "mask_rcnn_swin_t"])
-@pytest.mark.parametrize("norm", unnorm.available_norms())
-def test_every_norm_trains_both_detectors(model, norm, tmp_path, monkeypatch):
-    """Two steps of every norm in both detectors: every loss term of both stages finite and
-    positive; detections made, finite, inside the image; every AP field finite; and last.pt,
-    reloaded, scores a validation image as the run's evaluation did (its norm state saved)."""
+# Every norm in Mask R-CNN (the backbone, the stage-output norms and every head Faster R-CNN
+# has, plus the mask head); Faster R-CNN's own configuration with an online and an offline norm.
+@pytest.mark.parametrize("norm,model", [*((norm, "mask_rcnn_swin_t") for norm in unnorm.available_norms()),
+                                        ("ln", "faster_rcnn_swin_t"), ("un", "faster_rcnn_swin_t")])
+def test_every_norm_trains_the_detectors(model, norm, tmp_path, monkeypatch):
+    """Two steps of every norm: every loss term of both stages finite and positive;
+    detections made, finite, inside the image; every AP field finite; and last.pt, reloaded,
+    scores a validation image as the run's evaluation did (its norm state saved)."""
     detections = []  # what each evaluation scored
     scored = trainer.coco_evaluate
     monkeypatch.setattr(trainer, "coco_evaluate", lambda coco, results, *args:

@@ -8,6 +8,8 @@
 """
 from .amp import GradScaler, LossScaleGuard
 from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted
+from .convert import (CompressedRMSNorm, center_writer, compress_readers, compress_writer,
+                      convert_to_pre_crms, convert_to_pre_rms, to_compressed_rms_norm, to_rms_norm)
 from .distributed import NORM_SYNC_MODES, check_norm_sync, distribute_norm_state, norm_state
 from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
@@ -40,5 +42,7 @@ __all__ = [
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
     "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "GradScaler", "LossScaleGuard",
+    "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",
+    "compress_writer", "compress_readers", "to_rms_norm", "to_compressed_rms_norm",
 ]
 __version__ = "0.1.0"

@@ -35,7 +35,8 @@ class ChannelNorm(nn.Module):
     #: the model's norms), set by ``unnorm.LossScaleGuard``; None: gradients are unscaled
     loss_scale: Optional[torch.Tensor] = None
 
-    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
+    def __init__(self, num_features: int, eps: float = 1e-5, bias: bool = True, device=None,
+                 dtype=None):
         super().__init__()
         if not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
@@ -46,7 +47,9 @@ class ChannelNorm(nn.Module):
         self.eps = float(eps)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(num_features, **factory))
-        self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+        # bias=False: no shift, as torch's LayerNorm(bias=False) and Llama's RMSNorm
+        self.register_parameter("bias", nn.Parameter(torch.zeros(num_features, **factory))
+                                if bias else None)
         self._tap = None  # a statistics tap (unnorm.stats) while recording, else None
 
     @classmethod
@@ -90,8 +93,10 @@ class ChannelNorm(nn.Module):
         return self._tap is not None and self.training
 
     def _affine(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
-        """``weight * z + bias`` in float32 (z float32)."""
+        """``weight * z + bias`` in float32 (z float32); ``weight * z`` without a bias."""
         z = self._watch_grad(z, valid)
+        if self.bias is None:
+            return z * upcast(self.weight)
         return torch.addcmul(upcast(self.bias), z, upcast(self.weight))
 
     def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:

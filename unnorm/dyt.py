@@ -14,10 +14,12 @@ from .base import ChannelNorm, channel_mean_sq, upcast
 class DynamicTanh(ChannelNorm):
     """DyT: an elementwise squashing with a learnable scalar ``alpha`` (shape (1,), as
     released) and a per-channel affine. Online (``tanh`` is not an affine), but its
-    ``weight`` and ``bias`` fold into a following linear layer (``fold_parts``)."""
+    ``weight`` and ``bias`` fold into a following linear layer (``fold_parts``).
+    ``bias=False`` is the release's LLaMA DyT: ``weight * tanh(alpha * x)``."""
 
-    def __init__(self, num_features: int, alpha_init: float = 0.5, device=None, dtype=None):
-        super().__init__(num_features, device=device, dtype=dtype)
+    def __init__(self, num_features: int, alpha_init: float = 0.5, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__(num_features, bias=bias, device=device, dtype=dtype)
         if not (isinstance(alpha_init, (int, float)) and math.isfinite(alpha_init) and alpha_init > 0):
             raise ValueError(f"alpha_init must be a positive number, got {alpha_init!r} "
                              "(DyT's release: 0.5, and smaller for large or deep models)")
@@ -34,7 +36,8 @@ class DynamicTanh(ChannelNorm):
     def fold_parts(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
         """``(scale, shift, core)``: the output is ``core(x) * scale + shift``, and the affine
         moves into the next linear layer, leaving ``core`` in the norm's place."""
-        return upcast(self.weight), upcast(self.bias), Tanh(self.alpha.detach().clone())
+        shift = torch.zeros_like(upcast(self.weight)) if self.bias is None else upcast(self.bias)
+        return upcast(self.weight), shift, Tanh(self.alpha.detach().clone())
 
 
 class Tanh(nn.Module):

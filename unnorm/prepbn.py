@@ -2,7 +2,8 @@
 ``LinearNorm(norm1=LayerNorm, norm2=RepBN, warm, step, r0)`` (xinghaochen/SLAB,
 ``classification/models/prepbn.py``).
 
-Training starts as LayerNorm and hands over to ``RepBN(x) = BN(x) + alpha * x`` linearly:
+Training starts as LayerNorm (RMSNorm in SLAB's LLaMA: ``start_norm="rms"``, ``bias=False``)
+and hands over to ``RepBN(x) = BN(x) + alpha * x`` linearly:
 after ``warmup_iters`` steps of pure LN, ``y = lam * LN(x) + (1 - lam) * RepBN(x)`` with
 ``lam = r0 * k / decay_iters`` and k counting down from ``decay_iters`` to 0, one per step;
 then RepBN alone. Inference is RepBN alone: a per-channel affine, so it folds like BN.
@@ -27,15 +28,26 @@ from .simple import batch_standardize, running_statistics
 
 
 class ProgressiveRepBN(StepCounted):
-    """PRepBN. ``weight``/``bias`` are the LayerNorm's affine (what ``swap_norms`` carries
-    over); ``bn_weight``/``bn_bias`` the BatchNorm's; ``alpha`` RepBN's scalar (shape (1,),
-    as released). ``momentum`` is the paper's alpha (0.9 = torch's BatchNorm momentum 0.1);
-    BN's statistics cover every valid position and are updated once the warm-up is over."""
+    """PRepBN. ``weight``/``bias`` are the starting norm's affine (what ``swap_norms`` carries
+    over; ``bias=False``: a weight only); ``bn_weight``/``bn_bias`` the BatchNorm's; ``alpha``
+    RepBN's scalar (shape (1,), as released). ``momentum`` is the paper's alpha (0.9 = torch's
+    BatchNorm momentum 0.1); BN's statistics cover every valid position and are updated once
+    the warm-up is over."""
+
+    START_NORMS = ("ln", "rms")
 
     def __init__(self, num_features: int, warmup_iters: int = 0, decay_iters: int = 300000,
                  r0: float = 1.0, momentum: float = 0.9, eps: float = 1e-5,
-                 sync_stats: bool = False, device=None, dtype=None):
+                 sync_stats: bool = False, start_norm: str = "ln", bias: bool = True,
+                 device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        if not bias:
+            self.register_parameter("bias", None)
+        if start_norm not in self.START_NORMS:
+            raise ValueError(f"start_norm must be one of {', '.join(self.START_NORMS)} (the norm "
+                             f"training starts from: SLAB's vision models 'ln', its LLaMA 'rms'), "
+                             f"got {start_norm!r}")
+        self.start_norm = start_norm
         self.momentum = check_momentum("momentum", momentum)
         if not (isinstance(r0, (int, float)) and math.isfinite(r0) and 0.0 <= r0 <= 1.0):
             raise ValueError(f"r0 (the LayerNorm share when the decay starts) must be in [0, 1], "
@@ -54,8 +66,8 @@ class ProgressiveRepBN(StepCounted):
         self.register_buffer("running_var", torch.ones(num_features, device=device))
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, warmup={self.warmup_iters}, decay={self.decay_iters}, "
-                f"r0={self.r0}, momentum={self.momentum}")
+        return (f"{super().extra_repr()}, start={self.start_norm}, warmup={self.warmup_iters}, "
+                f"decay={self.decay_iters}, r0={self.r0}, momentum={self.momentum}")
 
     def layer_norm_share(self, step: torch.Tensor) -> torch.Tensor:
         """lam at training step ``step`` (1 during warm-up, then r0 * k / decay_iters)."""
@@ -75,8 +87,7 @@ class ProgressiveRepBN(StepCounted):
             scale, shift = self.inference_affine()
             return torch.addcmul(shift, rows, scale)
         step = self.num_iters + 1
-        layer_norm = F.layer_norm(rows, (self.num_features,), upcast(self.weight),
-                                  upcast(self.bias), self.eps)
+        start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats))
         if self._recording:
@@ -84,9 +95,17 @@ class ProgressiveRepBN(StepCounted):
         z = self._watch_grad(z, valid)
         rep_bn = torch.addcmul(upcast(self.bn_bias), z, upcast(self.bn_weight)) + upcast(self.alpha) * rows
         share = self.layer_norm_share(step)
-        mixed = share * layer_norm + (1 - share) * rep_bn
-        out = torch.where(step <= self.warmup_iters, layer_norm, mixed)  # SLAB runs no BN in warm-up
+        mixed = share * start + (1 - share) * rep_bn
+        out = torch.where(step <= self.warmup_iters, start, mixed)  # SLAB runs no BN in warm-up
         bn_on = step > self.warmup_iters
         state = {name: torch.where(bn_on, value, getattr(self, name))
                  for name, value in running_statistics(self, mean, var, count).items()}
         return commit_on_backward(out, self, valid, state, statistic_ok(var, count))
+
+    def _start(self, rows: torch.Tensor) -> torch.Tensor:
+        """The norm training starts from, on float32 rows, with its affine."""
+        bias = None if self.bias is None else upcast(self.bias)
+        if self.start_norm == "ln":
+            return F.layer_norm(rows, (self.num_features,), upcast(self.weight), bias, self.eps)
+        normed = F.rms_norm(rows, (self.num_features,), upcast(self.weight), self.eps)
+        return normed if bias is None else normed + bias

@@ -17,8 +17,9 @@ class LayerNorm(ChannelNorm):
 
     def _normalize(self, rows, valid):
         if not self._recording:
-            return F.layer_norm(upcast(rows), (self.num_features,), upcast(self.weight),
-                                upcast(self.bias), self.eps)
+            bias = None if self.bias is None else upcast(self.bias)
+            return F.layer_norm(upcast(rows), (self.num_features,), upcast(self.weight), bias,
+                                self.eps)
         self._tap.record_act(channel_mean_sq(rows, valid))
         return self._affine(F.layer_norm(upcast(rows), (self.num_features,), eps=self.eps), valid)
 
@@ -26,7 +27,8 @@ class LayerNorm(ChannelNorm):
 class RMSNorm(ChannelNorm):
     """RMSNorm (Zhang and Sennrich 2019) per position (online).
 
-    Carries a bias (zeros) like the other norms, so ``swap_norms`` keeps a LayerNorm's shift.
+    Carries a bias (zeros) like the other norms, so ``swap_norms`` keeps a LayerNorm's shift;
+    ``bias=False`` is Llama's RMSNorm (a weight only).
     """
 
     def _normalize(self, rows, valid):

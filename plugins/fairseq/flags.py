@@ -37,6 +37,8 @@ OPTIONS = {
     "decay_iters": ("--un-decay-iters", int),
     "r0": ("--un-r0", float),
     "sync_stats": ("--un-sync-stats", boolean),
+    "bias": ("--un-bias", boolean),
+    "start_norm": ("--un-start-norm", str),
 }
 
 

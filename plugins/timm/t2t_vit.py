@@ -174,10 +174,10 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
+        B, N, _ = x.shape  # the heads' width, not the input's (one less in Pre-CRMSNorm)
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, -1)))
 
 
 class Block(nn.Module):

@@ -1,0 +1,282 @@
+"""A Llama-style decoder with any unnorm norm at every norm site, in any placement.
+
+``build_lm`` returns Hugging Face's ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no
+weights downloaded), its attention (RoPE, causal mask, KV cache), MLP and initialisation
+untouched. Every norm site is ``unnorm.build_norm``; each decoder layer is a
+``PlacedDecoderLayer`` that puts its norms where the placement says (x: the layer's input,
+A: attention, M: the MLP):
+
+- ``pre``  (GPT-2, Llama): ``h = x + A(N1(x)); y = h + M(N2(h))``, then a final norm. With
+  ``rms`` this is Hugging Face's Llama itself: the same state-dict keys and logits.
+- ``post`` (the original Transformer): ``h = N1(x + A(x)); y = N2(h + M(h))``. No final norm:
+  the last layer's output is already normalised (fairseq's Post-LN decoder has none).
+  Mix-LN's code keeps Llama's final norm for its Post-LN baseline: ``final_norm=True``.
+- ``peri`` (Peri-LN, ICML 2025): ``h = x + N1o(A(N1i(x))); y = h + N2o(M(N2i(h)))``, then a
+  final norm, and optionally a norm on the embeddings (``embedding_norm``).
+- ``mix``  (Mix-LN, ICLR 2025): ``post`` in the first ``floor(mix_post_fraction * L)`` layers,
+  ``pre`` after, and the final norm (pixeli99/MixLN: layer ``i < POST_NUM`` is Post-LN, and its
+  Llama keeps ``self.norm`` whatever the layers).
+
+Site names follow Hugging Face's Llama (``input_layernorm``, ``post_attention_layernorm``) and,
+for the norms Llama lacks, Gemma 2's four-norm layer and Mix-LN's code
+(``pre_feedforward_layernorm``, ``post_feedforward_layernorm``).
+
+The releases' LLaMA recipes (on by default, ``dyt_llm_recipe``/``prepbn_llm_recipe``):
+
+- DyT (jiachenzhu/DyT, ``other_tasks/LLaMA``): a weight-only DyT, alpha initialised per site
+  from the model's width (the paper's Table 12: the attention sublayer's norms one value, every
+  other norm a smaller one; replaces ``norm.alpha_init``), and a learnable scalar on the token
+  embeddings initialised to sqrt(hidden_size).
+- PRepBN (xinghaochen/SLAB, ``llama/modeling``): the hand-over starts from Llama's RMSNorm
+  (weight only, ``rms_norm_eps``; replaces ``norm.eps``) instead of LayerNorm, and RepBN starts
+  at zero (its BN weight, BN bias and alpha are zero-initialised), so training starts as
+  Pre-RMSNorm Llama. SLAB counts its schedule in optimizer updates of 16 micro-batches; the
+  norms here count micro-batches (docs/core.md, step units).
+
+Batch-statistics norms (bn, mabn, pn, pn_ls, un, prepbn) see (B, T, C) activations and pool
+over all B*T positions: the model takes packed sequences without padding, so no pad mask.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import torch
+import transformers
+from omegaconf import OmegaConf
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import unnorm
+from plugins.norms import norm_kwargs
+from plugins.scale import CONFIGS
+
+PLACEMENTS = ("pre", "post", "peri", "mix")
+
+#: each layer placement's norm sites, in the order the forward applies them
+LAYER_SITES = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "peri": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm"),
+}
+#: the sites inside the attention sublayer (its input norm, Peri-LN's output norm, Post-LN's
+#: add-and-norm): DyT's "attention" alpha; every other site gets its "other" alpha
+ATTENTION_SITES = {
+    "pre": {"input_layernorm"},
+    "post": {"post_attention_layernorm"},
+    "peri": {"input_layernorm", "post_attention_layernorm"},
+}
+#: DyT's LLaMA alpha initialisation by model width, (width, attention, other): the paper's
+#: Table 12 (1024-8192; depth has no effect there) and its LLaMA-2 13B (5120) setting; a model
+#: takes the row of the first width at or above its own, the last row beyond 8192
+DYT_LLM_ALPHAS = ((1024, 1.0, 1.0), (2048, 1.0, 0.5), (4096, 0.8, 0.2), (5120, 0.6, 0.15),
+                  (8192, 0.2, 0.05))
+
+#: the build options that are not LlamaConfig fields
+LM_OPTIONS = {"norm_position": "pre", "mix_post_fraction": 0.25, "embedding_norm": False,
+              "final_norm": None, "dyt_llm_recipe": True, "prepbn_llm_recipe": True}
+#: keys of a Hydra model config that are no model fields: its name, and its scale variants
+#: (``cpu:``), which the scale switch has already merged in
+_LABELS = {"name"} | {path.stem for path in (CONFIGS / "scale").glob("*.yaml")}
+_ALIASES = {"context": "max_position_embeddings"}
+_LLAMA_EXTRA = {"rope_theta"}  # legacy LlamaConfig keyword, taken into rope_parameters
+
+
+def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> LlamaForCausalLM:
+    """Hugging Face's ``LlamaForCausalLM`` with every norm site built from ``norm_cfg``.
+
+    ``model_cfg`` (a Hydra ``model`` config or a dict; ``overrides`` win) holds LlamaConfig
+    fields (vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    rope_theta, rms_norm_eps, ...; ``context`` is ``max_position_embeddings``) and the
+    placement options: ``norm_position`` (pre | post | peri | mix), ``mix_post_fraction``
+    (0.25), ``embedding_norm`` (false), ``final_norm`` (null: as the placement says),
+    ``dyt_llm_recipe`` and ``prepbn_llm_recipe`` (true). ``name`` and the scale variants
+    (``cpu:``) are labels the scale switch has already applied.
+
+    The norms' ``eps`` is ``rms_norm_eps`` where the norm config leaves it unset; ``rms`` has
+    no bias (Llama's RMSNorm); PN with layer-scale and ``group_num: null`` groups by the
+    attention heads.
+    """
+    options, llama = _split_options({**_plain(model_cfg), **overrides})
+    placement = options["norm_position"]
+    config = LlamaConfig(**llama)
+    kinds = layer_placements(placement, config.num_hidden_layers, options["mix_post_fraction"])
+    factory = _NormFactory(_plain(norm_cfg), config, options)
+    model = LlamaForCausalLM(config)  # Hugging Face's weights and initialisation, RNG included
+    decoder = model.model
+    for index, kind in enumerate(kinds):
+        decoder.layers[index] = PlacedDecoderLayer(decoder.layers[index], config, kind, factory)
+    final_norm = options["final_norm"]
+    if final_norm is None:
+        final_norm = placement != "post"
+    decoder.norm = factory.build("norm") if final_norm else nn.Identity()
+    scale = math.sqrt(config.hidden_size) if factory.dyt_recipe else None
+    norm = factory.build("embedding_norm") if options["embedding_norm"] else None
+    if scale is not None or norm is not None:
+        decoder.embed_tokens = NormedEmbedding(decoder.embed_tokens, scale, norm)
+    return model
+
+
+def layer_placements(placement: str, num_layers: int, mix_post_fraction: float = 0.25) -> list[str]:
+    """Each decoder layer's placement: ``mix`` is Mix-LN's ``post`` for the first
+    ``floor(fraction * L)`` layers (its code: layer ``i < POST_NUM``) and ``pre`` after."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"norm_position must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if placement != "mix":
+        return [placement] * num_layers
+    if isinstance(mix_post_fraction, bool) or not (
+            isinstance(mix_post_fraction, (int, float)) and 0 <= mix_post_fraction <= 1):
+        raise ValueError(f"mix_post_fraction (the share of Post-LN layers, Mix-LN's alpha) must be "
+                         f"in [0, 1], got {mix_post_fraction!r}; Mix-LN uses 0.25")
+    post_layers = math.floor(mix_post_fraction * num_layers + 1e-9)  # 0.29 * 100 is 28.99...
+    return ["post"] * post_layers + ["pre"] * (num_layers - post_layers)
+
+
+def dyt_llm_alphas(hidden_size: int) -> tuple[float, float]:
+    """DyT's LLaMA alpha initialisation for a model of this width: (attention, other)."""
+    for width, attention, other in DYT_LLM_ALPHAS:
+        if hidden_size <= width:
+            return attention, other
+    return DYT_LLM_ALPHAS[-1][1:]
+
+
+class PlacedDecoderLayer(LlamaDecoderLayer):
+    """Hugging Face's Llama decoder layer (its attention and MLP, taken over from ``layer``)
+    with its norms where ``placement`` puts them (see the module's docstring)."""
+
+    def __init__(self, layer: LlamaDecoderLayer, config: LlamaConfig, placement: str,
+                 factory: "_NormFactory"):
+        if placement not in LAYER_SITES:
+            raise ValueError(f"a layer's placement is one of {', '.join(LAYER_SITES)}, "
+                             f"got {placement!r}")
+        with torch.device("meta"):  # the parts are taken over from ``layer``: build nothing
+            super().__init__(config, layer.self_attn.layer_idx)
+        self.self_attn, self.mlp = layer.self_attn, layer.mlp
+        del self.input_layernorm, self.post_attention_layernorm
+        self.placement = placement
+        for site in LAYER_SITES[placement]:
+            setattr(self, site, factory.build(site, placement))
+        left = [name for name, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"transformers' LlamaDecoderLayer has state this adapter does not "
+                               f"take over from the built layer: {', '.join(left)}; update "
+                               f"PlacedDecoderLayer for transformers {transformers.__version__}")
+
+    def extra_repr(self) -> str:
+        return f"placement={self.placement}"
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                use_cache: Optional[bool] = False,
+                position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                **kwargs) -> torch.Tensor:
+        def attention(x):
+            return self.self_attn(hidden_states=x, attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=past_key_values,
+                                  use_cache=use_cache, position_embeddings=position_embeddings,
+                                  **kwargs)[0]
+
+        x = hidden_states
+        if self.placement == "post":
+            h = self.post_attention_layernorm(x + attention(x))
+            return self.post_feedforward_layernorm(h + self.mlp(h))
+        if self.placement == "peri":
+            h = x + self.post_attention_layernorm(attention(self.input_layernorm(x)))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + attention(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class NormedEmbedding(nn.Embedding):
+    """Llama's token embedding, then DyT's learnable scalar ``scale`` and Peri-LN's embedding
+    ``norm`` (either may be absent). An ``nn.Embedding`` holding the same ``weight``, so the
+    state-dict key and a tied head stay Llama's (as Gemma 3's scaled embedding does); inputs
+    given as ``inputs_embeds`` bypass it."""
+
+    def __init__(self, embedding: nn.Embedding, scale: Optional[float], norm: Optional[nn.Module]):
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                         _weight=embedding.weight)
+        self.weight = embedding.weight  # the parameter itself: ties and optimizers keep it
+        self.scale = None if scale is None else nn.Parameter(
+            torch.full((1,), scale, device=embedding.weight.device, dtype=embedding.weight.dtype))
+        self.norm = norm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = super().forward(input_ids)
+        if self.scale is not None:
+            embeds = embeds * self.scale
+        return embeds if self.norm is None else self.norm(embeds)
+
+
+class _NormFactory:
+    """Builds the norm of each site from the run's norm config and the model."""
+
+    def __init__(self, norm_cfg: dict, config: LlamaConfig, options: dict):
+        if "name" not in norm_cfg:
+            raise ValueError("the norm config needs a name (one of "
+                             f"{', '.join(unnorm.available_norms())})")
+        self.name = norm_cfg["name"]
+        self.hidden = config.hidden_size
+        self.options = norm_kwargs(norm_cfg)
+        unnorm.norm_layer(self.name, **self.options)  # a wrong name or option fails here, first
+        if "eps" in unnorm.option_names(self.name):
+            self.options.setdefault("eps", config.rms_norm_eps)
+        if self.name == "rms":
+            self.options.setdefault("bias", False)  # Llama's RMSNorm: a weight only
+        if self.name == "pn_ls" and self.options.get("group_num") is None:
+            self.options["group_num"] = config.num_attention_heads
+        self.dyt_recipe = self.name == "dyt" and options["dyt_llm_recipe"]
+        self.prepbn_recipe = self.name == "prepbn" and options["prepbn_llm_recipe"]
+        if self.dyt_recipe:
+            self.options["bias"] = False
+            self.dyt_alphas = dyt_llm_alphas(self.hidden)
+        if self.prepbn_recipe:  # both of SLAB's norms take Llama's rms_norm_eps
+            self.options.update(start_norm="rms", bias=False, eps=config.rms_norm_eps)
+
+    def build(self, site: str, placement: Optional[str] = None) -> nn.Module:
+        """The norm at ``site`` (a layer's site within ``placement``, or ``norm``/
+        ``embedding_norm``)."""
+        options = dict(self.options)
+        if self.dyt_recipe:
+            attention, other = self.dyt_alphas
+            in_attention = site in ATTENTION_SITES.get(placement, ())
+            options["alpha_init"] = attention if in_attention else other
+        norm = unnorm.build_norm(self.name, self.hidden, **options)
+        if self.prepbn_recipe:  # SLAB's LLaMA RepBN starts at zero
+            with torch.no_grad():
+                for param in (norm.bn_weight, norm.bn_bias, norm.alpha):
+                    param.zero_()
+        return norm
+
+
+def _plain(cfg: Mapping) -> dict:
+    return dict(cfg) if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+
+
+def _split_options(values: dict) -> tuple[dict, dict]:
+    """(the placement options with their defaults, the LlamaConfig keywords)."""
+    options = {key: values.pop(key, default) for key, default in LM_OPTIONS.items()}
+    for label in _LABELS:
+        values.pop(label, None)
+    for alias, field in _ALIASES.items():
+        if alias in values:
+            if field in values and values[field] != values[alias]:
+                raise ValueError(f"model.{alias} ({values[alias]}) and model.{field} "
+                                 f"({values[field]}) disagree; set one")
+            values[field] = values.pop(alias)
+    fields = set(LlamaConfig().to_dict()) | _LLAMA_EXTRA
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"model config key(s) {', '.join(unknown)} are neither LlamaConfig "
+                         f"fields nor LM options ({', '.join(LM_OPTIONS)}, "
+                         f"{', '.join(_ALIASES)})")
+    for flag in ("embedding_norm", "dyt_llm_recipe", "prepbn_llm_recipe"):
+        if not isinstance(options[flag], bool):
+            raise ValueError(f"{flag} must be true or false, got {options[flag]!r}")
+    if options["final_norm"] not in (None, True, False):
+        raise ValueError(f"final_norm must be null (as the placement says), true or false, got "
+                         f"{options['final_norm']!r}")
+    return options, values
+

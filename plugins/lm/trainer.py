@@ -1,0 +1,140 @@
+"""Language-model pretraining (a Llama-style decoder with any norm at any placement) on the
+shared training loop: AdamW, linear warm-up and cosine decay per update, gradient
+accumulation to a fixed number of sequences per update, validation loss over a fixed set of
+token windows.
+
+An "epoch" of the shared loop is ``recipe.eval_every`` updates: the run validates, logs and
+checkpoints after each. Runs on one process or under ``torchrun`` (DDP); a collapse ends the
+run cleanly with ``status: FAIL`` in ``result.json``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from omegaconf import DictConfig
+from timm.scheduler import create_scheduler_v2
+
+from plugins.loop import CHECKPOINT, EpochLoop
+from plugins.runlog import run_meta
+from plugins.scale import micro_batches_per_update
+from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
+                              load_weights, run_task)
+
+from .data import prepare_corpus
+from .leak import future_leak, training_mode_loss
+from .model import build_lm
+
+
+def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
+    """Train and validate one run; returns the ``result.json`` content."""
+    return run_task(_train, cfg, out_dir, overrides)
+
+
+@torch.no_grad()
+def evaluate(model, windows, batch_size: int, world: Distributed, amp) -> dict:
+    """Mean next-token loss (nats) over the validation windows, in eval mode."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=world.device)  # loss sum, tokens
+    loader = torch.utils.data.DataLoader(world.shard(windows), batch_size=batch_size)
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(world.device), targets.to(world.device)
+        with amp():
+            logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                 reduction="sum")
+        totals += torch.stack([loss.double(), torch.tensor(targets.numel(), dtype=torch.float64,
+                                                           device=world.device)])
+    totals = world.sum(totals)
+    val_loss = (totals[0] / totals[1]).item()
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
+            "val_tokens": int(totals[1].item())}
+
+
+def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
+    recipe, device = cfg.recipe, world.device
+    corpus = prepare_corpus(cfg.data)
+    context = cfg.model.context
+    train_set, val_set = corpus.windows("train", context), corpus.windows("validation", context)
+    val_set = torch.utils.data.Subset(val_set, range(min(len(val_set), recipe.eval_tokens // context)))
+    interval_set = torch.utils.data.Subset(val_set, range(min(len(val_set),
+                                                              recipe.interval_eval_tokens // context)))
+    accumulate = micro_batches_per_update(recipe, world.world)
+    micro_batch, sampler, _ = epoch_plan(train_set, recipe.micro_batch_size * world.world, None,
+                                         world, cfg.seed)
+    updates_per_epoch, epochs = recipe.eval_every, math.ceil(recipe.max_steps / recipe.eval_every)
+    if recipe.max_steps % recipe.eval_every:
+        raise ValueError(f"recipe.max_steps {recipe.max_steps} is not a multiple of "
+                         f"recipe.eval_every {recipe.eval_every}; make it one")
+    if len(train_set) // (micro_batch * world.world) < updates_per_epoch * accumulate:
+        raise ValueError(f"{cfg.data.name}: {len(train_set)} training windows of {context} tokens "
+                         f"give fewer micro-batches than recipe.eval_every x accumulation "
+                         f"({updates_per_epoch} x {accumulate}); lower recipe.eval_every")
+    cfg, run, finished = begin_run(cfg, out_dir, world, recipe.max_steps * accumulate, CHECKPOINT)
+    if finished is not None:
+        return finished
+
+    model = build_lm(cfg.model, cfg.norm, vocab_size=corpus.vocab_size).to(device)
+    init = "scratch"
+    if cfg.init_from:
+        init = load_weights(model, cfg.init_from, cfg.reset_norm_steps, trusted=cfg.trust_checkpoint)
+    if world.main:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{cfg.exp_name}: {cfg.model.name} ({params / 1e6:.1f}M parameters, "
+              f"{cfg.model.norm_position}-{cfg.norm.name}) on {corpus.name} (scale {cfg.scale.name}, "
+              f"{recipe.batch_size} x {context} tokens per update in {accumulate} micro-batch(es), "
+              f"{world.world} process(es), {device})")
+
+    decay, no_decay = [], []
+    for param in model.parameters():
+        (decay if param.ndim > 1 else no_decay).append(param)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=recipe.lr * cfg.lr_multiple, betas=tuple(recipe.betas))
+    scheduler, _ = create_scheduler_v2(
+        optimizer, sched="cosine", num_epochs=epochs, updates_per_epoch=updates_per_epoch,
+        warmup_epochs=recipe.warmup_steps / updates_per_epoch, warmup_lr=0.0, warmup_prefix=True,
+        min_lr=recipe.lr * cfg.lr_multiple * recipe.min_lr_ratio, step_on_epochs=False)
+    amp, scaler = amp_context(cfg.amp, device, model)
+    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler)
+    init = loop.resume(init)
+
+    if cfg.compile:  # in place: state-dict keys stay as they are
+        model.compile()
+    net = data_parallel(model, device) if world.world > 1 else model
+    tokens_per_update = recipe.batch_size * context
+    clock = {"started": time.time(), "step": loop.step}
+
+    def forward(batch):
+        inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+        with amp():
+            logits = net(input_ids=inputs).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def scores(epoch: int) -> dict:
+        elapsed, updates = time.time() - clock["started"], (epoch + 1) * updates_per_epoch - clock["step"]
+        last = epoch + 1 == epochs  # the whole validation set at the end, a part of it before
+        metrics = {**evaluate(model, val_set if last else interval_set, micro_batch, world, amp),
+                   "tokens": (epoch + 1) * updates_per_epoch * tokens_per_update,
+                   "tokens_per_s": updates * tokens_per_update / max(elapsed, 1e-9)}
+        if last:  # as trained: PRepBN, say, pools over positions only once its hand-over starts
+            leak = future_leak(model, probe_inputs)
+            metrics.update(leaks_future=leak["leaks"], future_logit_change=leak["max_logit_change"])
+            if leak["leaks"]:  # how much training mode's view of the future flatters it
+                metrics["val_loss_train_mode"] = training_mode_loss(model, val_set, micro_batch, device)
+        clock.update(started=time.time(), step=(epoch + 1) * updates_per_epoch)
+        return metrics
+
+    probe_inputs, _ = next(iter(torch.utils.data.DataLoader(val_set, batch_size=micro_batch)))
+    return loop.fit(
+        net, train_set, micro_batch, sampler, updates_per_epoch, epochs, forward=forward,
+        evaluate=scores, accumulate=accumulate, clip_grad=recipe.clip_grad,
+        summary=lambda m: f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f} "
+                          f"({m['tokens_per_s']:.0f} tokens/s)",
+        meta={**meta, **run_meta(cfg, "language_modelling", world.world, out_dir,
+                                 norm_position=cfg.model.norm_position, corpus=corpus.record(),
+                                 accumulate=accumulate)},
+        init=init)

@@ -1,0 +1,63 @@
+"""The training loop the trainers share (plugins/loop.py): gradient accumulation against one
+large batch, and the norms counting micro-batches."""
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+from timm.scheduler import create_scheduler_v2
+
+import unnorm
+from plugins.loop import EpochLoop
+from plugins.runlog import RunDirectory
+from plugins.training import Distributed
+
+C, SAMPLES = 6, 48
+
+
+def _cfg():
+    return OmegaConf.create({
+        "exp_name": "loop", "seed": 0, "norm_sync": "reduce", "record_statistics": False,
+        "trust_checkpoint": False, "logger": {"name": "none"}, "scale": {"num_workers": 0},
+        "collapse": {"loss_multiple": 5.0, "ema": 0.9, "min_steps": 50, "check_every": 4}})
+
+
+def _train(tmp_path, norm: str, batch: int, accumulate: int, updates: int):
+    """``updates`` SGD updates of a linear-norm-linear regression, each over
+    ``batch * accumulate`` samples; returns the model and the run's result."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 5, C), torch.randn(SAMPLES, 5, 1))
+    options = {"warmup_iters": 2, "window_size": 2} if norm == "un" else {}
+    model = torch.nn.Sequential(torch.nn.Linear(C, C), unnorm.build_norm(norm, C, **options),
+                                torch.nn.Linear(C, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # not scale-free
+    scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=1, warmup_epochs=0,
+                                       step_on_epochs=False, updates_per_epoch=updates)
+    cfg, world = _cfg(), Distributed("cpu")
+    run = RunDirectory(tmp_path)
+    loop = EpochLoop(cfg, tmp_path, world, run, model, optimizer, scheduler, None)
+
+    def forward(batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    result = loop.fit(model, data, batch, None, updates, 1, forward=forward, evaluate=lambda e: {},
+                      meta={}, init="scratch", accumulate=accumulate)
+    return model, result
+
+
+def test_accumulated_micro_batches_make_one_update_of_the_whole_batch(tmp_path):
+    """LN (per-position statistics): 2 micro-batches of 8 per update train exactly as one
+    batch of 16, with the same samples in the same order; the recorded loss is the update's."""
+    whole, whole_result = _train(tmp_path / "whole", "ln", batch=16, accumulate=1, updates=3)
+    split, split_result = _train(tmp_path / "split", "ln", batch=8, accumulate=2, updates=3)
+    for (name, a), b in zip(whole.state_dict().items(), split.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert split_result["steps"] == whole_result["steps"] == 3
+    assert abs(split_result["metrics"]["train_loss"] - whole_result["metrics"]["train_loss"]) < 1e-6
+
+
+def test_norms_count_micro_batches_under_accumulation(tmp_path):
+    """UN steps once per micro-batch (the unit of every norm's step counts), not per update."""
+    model, result = _train(tmp_path, "un", batch=8, accumulate=3, updates=2)
+    assert result["status"] == "ok" and result["steps"] == 2
+    assert int(model[1].num_iters) == 6
