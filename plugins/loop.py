@@ -1,6 +1,7 @@
-"""The training loop every trainer of ours shares (classification, torchvision detection):
-epochs of optimizer updates, the collapse watch, the replicas' norm state made one before
-each evaluation and save, metrics, statistics taps, checkpoints and resume, the result.
+"""The training loop every trainer of ours shares (classification, torchvision detection,
+language modelling): epochs of optimizer updates (with gradient accumulation), the collapse
+watch, the replicas' norm state made one before each evaluation and save, metrics, statistics
+taps, checkpoints and resume, the result.
 
 A trainer builds its data, model, optimizer and schedule, then hands the loop what differs
 between tasks: how a batch becomes a loss (``forward``), what happens after an update (an

@@ -256,9 +256,10 @@ def test_missing_environment_or_data_names_the_fix(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def learned(synthetic_data, tmp_path_factory) -> dict:
-    """The CPU-scale runs of LN and UN (through the launcher, as scripts/train.py calls it)."""
+    """The CPU-scale run of UN (through the launcher, as scripts/train.py calls it). LN's
+    training is stock fairseq's, update for update (``test_ln_is_the_stock_transformer``)."""
     runs = {}
-    for norm in ("ln", "un"):
+    for norm in ("un",):
         out = tmp_path_factory.mktemp(norm) / "run"
         overrides = ["scale=cpu", "device=cpu", "logger=none"]
         runs[norm] = launcher.train(config(f"+exp=iwslt14_{norm}", *overrides), out, overrides)
@@ -266,7 +267,7 @@ def learned(synthetic_data, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm", ["ln", "un"])
+@pytest.mark.parametrize("norm", ["un"])
 def test_a_few_hundred_updates_learn_to_translate(norm, learned, synthetic_data):
     result = learned[norm]
     assert result["status"] == "ok" and set(META) <= set(result), result
