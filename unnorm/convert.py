@@ -274,14 +274,7 @@ def convert_to_pre_rms(model: nn.Module, writers: Sequence[str],
     modules, parameters or buffers adding into the stream) and replace each LayerNorm named
     in ``readers`` by an RMSNorm, its shift folded into the linear layers named for it.
     Returns the number of norms replaced. Nothing changes if the plan is refused."""
-    _check_plan(model, writers, readers, compressing=False)
-    for norm_name, reader_names in readers.items():
-        rms = to_rms_norm(model.get_submodule(norm_name),
-                          [model.get_submodule(n) for n in reader_names])
-        replace_module(model, norm_name, rms)
-    for name in writers:
-        center_writer(_resolve(model, name))
-    return len(readers)
+    return _convert(model, writers, readers, compressing=False)
 
 
 @torch.no_grad()
@@ -290,13 +283,21 @@ def convert_to_pre_crms(model: nn.Module, writers: Sequence[str],
     """Turn a Pre-LN ``model`` into Pre-CRMSNorm in place: the stream one coordinate
     narrower. ``writers`` and ``readers`` as for ``convert_to_pre_rms`` (every norm needs a
     reader). Returns the number of norms replaced. Nothing changes if the plan is refused."""
-    _check_plan(model, writers, readers, compressing=True)
+    return _convert(model, writers, readers, compressing=True)
+
+
+def _convert(model: nn.Module, writers: Sequence[str], readers: Mapping[str, Sequence[str]],
+             compressing: bool) -> int:
+    _check_plan(model, writers, readers, compressing=compressing)
+    to_norm = to_compressed_rms_norm if compressing else to_rms_norm
     for norm_name, reader_names in readers.items():
-        crms = to_compressed_rms_norm(model.get_submodule(norm_name),
-                                      [model.get_submodule(n) for n in reader_names])
-        replace_module(model, norm_name, crms)
+        norm = to_norm(model.get_submodule(norm_name), [model.get_submodule(n) for n in reader_names])
+        replace_module(model, norm_name, norm)
     for name in writers:
         writer = _resolve(model, name)
+        if not compressing:
+            center_writer(writer)
+            continue
         compressed = compress_writer(writer)
         if compressed is not writer:
             _put(model, name, compressed)
