@@ -30,22 +30,13 @@ def future_leak(model: nn.Module, inputs: torch.Tensor) -> dict:
     return {"leaks": change > LEAK_TOLERANCE, "max_logit_change": change}
 
 
+def training_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in training mode, whose norms may commit running state freely."""
+    return copy.deepcopy(model).train()
+
+
 def _training_logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """Training-mode logits of a copy of ``model``, under a fixed seed (dropout, if any)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return copy.deepcopy(model).train()(input_ids=inputs).logits.float()
-
-
-@torch.no_grad()
-def training_mode_loss(model: nn.Module, windows, batch_size: int, device) -> float:
-    """Mean next-token loss over ``windows`` with the norms in training mode (batch
-    statistics, as training sees them), on a copy whose running state may change."""
-    probe = copy.deepcopy(model).train()
-    total, count = 0.0, 0
-    for inputs, targets in torch.utils.data.DataLoader(windows, batch_size=batch_size):
-        logits = probe(input_ids=inputs.to(device)).logits.float()
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(),
-                                                   reduction="sum").item()
-        count += targets.numel()
-    return total / count
+        return training_copy(model)(input_ids=inputs).logits.float()

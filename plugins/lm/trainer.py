@@ -25,7 +25,7 @@ from plugins.training import (Distributed, amp_context, begin_run, data_parallel
                               load_weights, run_task)
 
 from .data import prepare_corpus
-from .leak import future_leak, training_mode_loss
+from .leak import future_leak, training_copy
 from .model import build_lm
 
 
@@ -34,20 +34,24 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     return run_task(_train, cfg, out_dir, overrides)
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+    """Cross-entropy of the logits (float32) against the next tokens."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                             reduction=reduction)
+
+
 @torch.no_grad()
-def evaluate(model, windows, batch_size: int, world: Distributed, amp) -> dict:
-    """Mean next-token loss (nats) over the validation windows, in eval mode."""
-    model.eval()
+def validation_loss(model, windows, batch_size: int, world: Distributed, amp) -> dict:
+    """Mean next-token loss (nats) over the validation windows, with the model in the mode it
+    is in (eval: running statistics; a training-mode copy: batch statistics)."""
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)  # loss sum, tokens
     loader = torch.utils.data.DataLoader(world.shard(windows), batch_size=batch_size)
     for inputs, targets in loader:
         inputs, targets = inputs.to(world.device), targets.to(world.device)
         with amp():
             logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                                 reduction="sum")
-        totals += torch.stack([loss.double(), torch.tensor(targets.numel(), dtype=torch.float64,
-                                                           device=world.device)])
+        totals += torch.stack([next_token_loss(logits, targets, "sum").double(),
+                               torch.tensor(targets.numel(), dtype=torch.float64, device=world.device)])
     totals = world.sum(totals)
     val_loss = (totals[0] / totals[1]).item()
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
@@ -65,10 +69,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     accumulate = micro_batches_per_update(recipe, world.world)
     micro_batch, sampler, _ = epoch_plan(train_set, recipe.micro_batch_size * world.world, None,
                                          world, cfg.seed)
-    updates_per_epoch, epochs = recipe.eval_every, math.ceil(recipe.max_steps / recipe.eval_every)
     if recipe.max_steps % recipe.eval_every:
         raise ValueError(f"recipe.max_steps {recipe.max_steps} is not a multiple of "
                          f"recipe.eval_every {recipe.eval_every}; make it one")
+    updates_per_epoch, epochs = recipe.eval_every, recipe.max_steps // recipe.eval_every
     if len(train_set) // (micro_batch * world.world) < updates_per_epoch * accumulate:
         raise ValueError(f"{cfg.data.name}: {len(train_set)} training windows of {context} tokens "
                          f"give fewer micro-batches than recipe.eval_every x accumulation "
@@ -112,19 +116,21 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         inputs, targets = (t.to(device, non_blocking=True) for t in batch)
         with amp():
             logits = net(input_ids=inputs).logits
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return next_token_loss(logits, targets)
 
     def scores(epoch: int) -> dict:
         elapsed, updates = time.time() - clock["started"], (epoch + 1) * updates_per_epoch - clock["step"]
         last = epoch + 1 == epochs  # the whole validation set at the end, a part of it before
-        metrics = {**evaluate(model, val_set if last else interval_set, micro_batch, world, amp),
+        model.eval()
+        metrics = {**validation_loss(model, val_set if last else interval_set, micro_batch, world, amp),
                    "tokens": (epoch + 1) * updates_per_epoch * tokens_per_update,
                    "tokens_per_s": updates * tokens_per_update / max(elapsed, 1e-9)}
         if last:  # as trained: PRepBN, say, pools over positions only once its hand-over starts
             leak = future_leak(model, probe_inputs)
             metrics.update(leaks_future=leak["leaks"], future_logit_change=leak["max_logit_change"])
             if leak["leaks"]:  # how much training mode's view of the future flatters it
-                metrics["val_loss_train_mode"] = training_mode_loss(model, val_set, micro_batch, device)
+                metrics["val_loss_train_mode"] = validation_loss(
+                    training_copy(model), val_set, micro_batch, world, amp)["val_loss"]
         clock.update(started=time.time(), step=(epoch + 1) * updates_per_epoch)
         return metrics
 
