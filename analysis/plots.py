@@ -30,7 +30,8 @@ def _window_length(rows: list[dict]) -> int:
     return rows[0]["last_step"] - rows[0]["first_step"] + 1
 
 
-def _save(fig: Figure, path: PathLike) -> Path:
+def save_figure(fig: Figure, path: PathLike) -> Path:
+    """Write ``fig`` at 150 dpi, making its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
@@ -55,7 +56,7 @@ def plot_pnac_over_training(rows: list[dict], info: dict, path: PathLike) -> Pat
     ax.set_title(f"PNAC over training (shaded: min-max over layers)\n{run_title(info)}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _density(ax, values: np.ndarray, colour: str, label: str) -> None:
@@ -84,7 +85,7 @@ def plot_pnac_density(rows: list[dict], info: dict, path: PathLike) -> Path:
         ax.set_title(f"{KIND_LABELS[kind]} ({len(layers)} layers)", fontsize=9)
     axes[0].set_ylabel("density")
     fig.suptitle(f"PNAC at the start and end of training\n{run_title(info)}", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_statistics(act, grad, info: dict, path: PathLike, layer: str, channel: int,
@@ -112,7 +113,7 @@ def plot_statistics(act, grad, info: dict, path: PathLike, layer: str, channel: 
     bottom.set_xlabel("iteration")
     bottom.grid(alpha=0.3)
     fig.suptitle(f"{layer}, channel {channel}\n{run_title(info)}", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_outliers(counts: dict, info: dict, path: PathLike) -> Path:
@@ -134,4 +135,4 @@ def plot_outliers(counts: dict, info: dict, path: PathLike) -> Path:
                  f"{run_title(info)}", fontsize=10)
     ax.legend(title="point of training", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -5,6 +5,7 @@ same way everywhere.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,12 @@ METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonor
                 "MABN": "mabn", "PN": "pn", "UN": "un", "DyT": "dyt", "PRepBN": "prepbn"}
 NORM_METHODS = {norm: method for method, norm in METHOD_NORMS.items()}
 STABILITY_KEY = "lr_multiple"  # the learning-rate ladder of the stability map
+#: each task's headline metric, and the metrics where lower is better
+TASK_METRIC = {"classification": "top1", "translation": "bleu", "detection": "bbox_AP",
+               "language_modelling": "val_loss"}
+LOWER_IS_BETTER = {"val_loss"}
+#: Llama placements (model.norm_position) as the papers name them with their norm
+PLACEMENT_NAMES = {"pre": "Pre", "post": "Post", "peri": "Peri", "mix": "Mix"}
 # overrides that say how a run was made, not what was trained
 RUN_MECHANICS = ("exp", "scale", "logger", "record_statistics", "seed", "device", "resume", "hydra")
 
@@ -26,6 +33,16 @@ def load_runs(root: Path) -> list[dict]:
         run["_path"] = str(path.parent)
         runs.append(run)
     return runs
+
+
+def figure_args(description: str, default_out: str, argv=None) -> argparse.Namespace:
+    """``--runs`` (default results/runs) and ``--out`` (default results/analysis/<default_out>)
+    of a figure drawn from recorded runs."""
+    root = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--runs", type=Path, default=root / "results" / "runs")
+    parser.add_argument("--out", type=Path, default=root / "results" / "analysis" / default_out)
+    return parser.parse_args(argv)
 
 
 def override_value(run: dict, key: str) -> Optional[str]:
@@ -45,8 +62,12 @@ def changes(run: dict, ignore: tuple[str, ...] = ()) -> list[str]:
 
 def setting(run: dict, ignore: tuple[str, ...] = ()) -> str:
     """The run's method and the overrides that change what it trains, e.g.
-    ``UN norm.bwd_ema=false``."""
-    return " ".join([NORM_METHODS.get(run.get("norm"), str(run.get("norm"))), *changes(run, ignore)])
+    ``UN norm.bwd_ema=false``; a language model's placement names its method (``Post-LN``)."""
+    method = NORM_METHODS.get(run.get("norm"), str(run.get("norm")))
+    if "norm_position" in run:
+        method = f"{PLACEMENT_NAMES[run['norm_position']]}-{method}"
+        ignore += ("model.norm_position",)
+    return " ".join([method, *changes(run, ignore)])
 
 
 def option_value(run: dict, key: str):
@@ -57,10 +78,14 @@ def option_value(run: dict, key: str):
 
 
 def method_order(label: str) -> tuple:
-    """Sort key putting settings in the paper's method order."""
+    """Sort key putting settings in the paper's method order (placements: pre, post, peri,
+    mix within a method)."""
     method = label.split(" ")[0]
+    placement, _, norm = method.rpartition("-")
+    places = [PLACEMENT_NAMES[p] for p in PLACEMENT_NAMES]
+    place = places.index(placement) if placement in places else 0
     order = list(METHOD_NORMS)
-    return (order.index(method) if method in order else len(order), label)
+    return (order.index(norm) if norm in order else len(order), place, label)
 
 
 def where(run: dict) -> tuple:

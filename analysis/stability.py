@@ -10,16 +10,15 @@ every collapse).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from .runs import STABILITY_KEY, ladder, load_runs, method_order
-
-METRICS = {"classification": "top1", "translation": "bleu", "detection": "bbox_AP"}
+from .plots import save_figure
+from .runs import (LOWER_IS_BETTER, STABILITY_KEY, TASK_METRIC, figure_args, ladder, load_runs,
+                   method_order)
 
 
 def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
@@ -30,11 +29,14 @@ def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
 
 def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, metric: str,
                    path: Path) -> Path:
-    """Mean metric of the runs that finished (line) per multiple; an x at the bottom marks
-    each multiple where runs collapsed, labelled with the collapsed fraction."""
+    """Mean metric of the runs that finished (line) per multiple; an x at the worst edge (the
+    bottom, or the top where lower is better) marks each multiple where runs collapsed,
+    labelled with the collapsed fraction."""
     fig = Figure(figsize=(7.5, 4.8))
     ax = fig.add_subplot()
     colours = [f"C{i}" for i in range(10)]
+    edge = 1.0 if metric in LOWER_IS_BETTER else 0.0  # axes fraction: where collapses show
+    at_edge = ax.get_xaxis_transform()  # x in data, y in axes fraction
     for index, label in enumerate(sorted(settings, key=method_order)):
         colour = colours[index % len(colours)]
         cells = {m: outcomes(runs, metric) for m, runs in settings[label].items()}
@@ -45,34 +47,33 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
         for m in multiples:
             failed, total = len(cells[m]["fail"]), len(cells[m]["fail"]) + len(cells[m]["ok"])
             if failed:
-                ax.scatter([m], [0], marker="x", s=70, color=colour, zorder=3)
-                ax.annotate(f"{failed}/{total}", (m, 0), textcoords="offset points",
-                            xytext=(4, 4 + 9 * index), fontsize=7, color=colour)
+                ax.scatter([m], [edge], marker="x", s=70, color=colour, zorder=3,
+                           transform=at_edge, clip_on=False)
+                ax.annotate(f"{failed}/{total}", (m, edge), xycoords=at_edge,
+                            textcoords="offset points", fontsize=7, color=colour,
+                            xytext=(4, (4 + 9 * index) * (-1 if edge else 1)))
     ax.set_xscale("log")
     ax.set_xlabel("learning rate, multiple of the recipe's")
     ax.set_ylabel(f"{metric} (mean of the runs that finished)")
-    ax.set_title(f"{title}\nx at 0: collapsed runs (FAIL), with the fraction of seeds", fontsize=9)
+    where = "top" if edge else "bottom"
+    ax.set_title(f"{title}\nx at the {where}: collapsed runs (FAIL), with the fraction of seeds",
+                 fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> None:
-    root = Path(__file__).resolve().parents[1]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, default=root / "results" / "runs")
-    parser.add_argument("--out", type=Path, default=root / "results" / "analysis" / "stability")
-    args = parser.parse_args(argv)
+    args = figure_args(__doc__.splitlines()[0], "stability", argv)
     points = ladder(load_runs(args.runs))
     if not points:
         raise SystemExit(f"no runs with {STABILITY_KEY} under {args.runs}: run the ladder first "
                          "(python scripts/train.py +exp=<exp> scale=cpu +sweep=stability)")
     for (task, model, data), settings in sorted(points.items()):
         name = f"{model}_{data}"
-        plot_stability(settings, f"Stability: {model} on {data}", METRICS[task], args.out / f"{name}.png")
-        serialisable = {label: {f"{m:g}": outcomes(settings[label][m], METRICS[task])
+        plot_stability(settings, f"Stability: {model} on {data}", TASK_METRIC[task],
+                       args.out / f"{name}.png")
+        serialisable = {label: {f"{m:g}": outcomes(settings[label][m], TASK_METRIC[task])
                                 for m in sorted(settings[label])}
                         for label in sorted(settings, key=method_order)}
         (args.out / f"{name}.json").write_text(json.dumps(serialisable, indent=2) + "\n")

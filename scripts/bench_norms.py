@@ -5,7 +5,9 @@ Per norm and mode (eager, ``torch.compile``): one training step (forward, and th
 to the input and the parameters) and one inference forward. Every round times each runner
 once in a shuffled order, so drift affects all alike; the report gives medians and their
 ratios to torch's LayerNorm eager, to LayerNorm compiled, and to the faster of the two (the
-fastest LayerNorm a user can run). Estimated norms are timed after their warm-up.
+fastest LayerNorm a user can run). Estimated norms are timed after their warm-up. ``crms``
+is Pre-CRMSNorm's norm (``unnorm.CompressedRMSNorm``) on the stream one channel narrower that
+the exact Pre-LN conversion leaves, beside ``ln`` and ``rms``: the three side by side.
 
     python scripts/bench_norms.py                         # both shapes, every norm
     python scripts/bench_norms.py --shapes tokens --norms ln un --rounds 50
@@ -54,10 +56,16 @@ def closures(train_norm, eval_norm, x: torch.Tensor, dy: torch.Tensor):
 
 def runners(name: str, channels: int, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
     """``(train_step, inference)`` of one of our norms in one mode; ``torch_ln`` is
-    ``torch.nn.LayerNorm`` itself (ours wraps it), the baseline users know."""
+    ``torch.nn.LayerNorm`` itself (ours wraps it), the baseline users know; ``crms`` reads the
+    first ``channels - 1`` channels (Pre-CRMSNorm's narrower stream)."""
+    if name == "crms":
+        x, dy = x[..., :-1].detach().contiguous().requires_grad_(True), dy[..., :-1].contiguous()
+
     def build():
         if name == "torch_ln":
             return torch.nn.LayerNorm(channels, device=x.device)
+        if name == "crms":
+            return unnorm.CompressedRMSNorm(channels - 1, device=x.device)
         return unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {}))
     train_norm, eval_norm = build(), build().eval()
     if compiled:
@@ -70,7 +78,7 @@ def measure(shape, norms, args, device) -> list[dict]:
     x = torch.randn(shape, generator=gen).to(device).requires_grad_(True)
     dy = torch.randn(shape, generator=gen).to(device)
     steps = {}
-    for name in norms:
+    for name in [*norms, "crms"]:
         for mode in ("eager", "compiled"):
             train_step, inference = runners(name, shape[-1], x, dy, mode == "compiled")
             steps[(name, mode, "train")], steps[(name, mode, "infer")] = train_step, inference

@@ -5,6 +5,7 @@ and the training-step cost of every norm, measured side by side in one run.
     python scripts/benchmark.py --batch 512 --img-size 224       # the paper's setting (GPU)
     python scripts/benchmark.py --models swin_t --no-compile --rounds 5
     python scripts/benchmark.py --models mask_rcnn_swin_t --det-batch 2   # Table 8's COCO row
+    python scripts/benchmark.py --models llama_71m --batch 4      # the LM, 256-token sequences
 
 Inference variants, per model: ``ln``; ``un`` (unfolded); ``un_folded`` (every UN folded into
 its linear consumer or a frozen affine); ``prepbn_folded`` (PRepBN's RepBN, folded alike);
@@ -13,6 +14,9 @@ norm removed: what folding can reach at best). Each runs eager and, unless --no-
 under ``torch.compile`` (classifiers; Mask R-CNN runs eager: torchvision's detectors have
 data-dependent control flow). Mask R-CNN (Swin-T + FPN, torchvision) takes ``--det-batch``
 COCO-sized 640x480 images, which it resizes to 800 px on the short side as in evaluation.
+LLaMA-71M (``plugins.lm``; throughput in sequences of ``--lm-context`` tokens) adds
+``rms_converted`` and ``crms_converted``: the Pre-LN model converted exactly into Pre-RMSNorm
+and Pre-CRMSNorm (``plugins.lm.convert``), beside ``ln``; its folds are ``plugins.lm.fold``'s.
 Training: one optimizer step of every norm's classifier, compiled unless --no-compile (LN
 compiled is the baseline), the norms past their warm-ups. Rounds interleave the variants in
 a shuffled order so drift affects all alike; medians are reported. Peak memory: GPU max
@@ -38,16 +42,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import unnorm  # noqa: E402
+from plugins.lm import build_lm  # noqa: E402
+from plugins.lm.convert import to_pre_crms, to_pre_rms  # noqa: E402
+from plugins.lm.fold import fold_lm  # noqa: E402
 from plugins.timm import create_classifier, fold_model  # noqa: E402
 from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
 from plugins.training import no_eager_fallback  # noqa: E402
 
 MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14",
-          "mask_rcnn_swin_t": "configs/model/faster_rcnn_swin_t.yaml"}  # + masks, as mask_rcnn_swin_t.yaml
+          "mask_rcnn_swin_t": "configs/model/faster_rcnn_swin_t.yaml",  # + masks, as mask_rcnn_swin_t.yaml
+          "llama_71m": "configs/model/llama_71m.yaml"}
 DETECTORS = {"mask_rcnn_swin_t"}
+LMS = {"llama_71m"}
+LM_VOCAB = 32000  # LLaMA's tokenizer, as Mix-LN trains on C4
 VARIANT_NORMS = {"ln": "ln", "un": "un", "un_folded": "un", "prepbn_folded": "prepbn",
-                 "dyt": "dyt", "no_norm": "nonorm"}
-VARIANTS = tuple(VARIANT_NORMS)
+                 "dyt": "dyt", "no_norm": "nonorm", "rms_converted": "ln", "crms_converted": "ln"}
+CONVERTED = {"rms_converted": to_pre_rms, "crms_converted": to_pre_crms}  # language models only
 FOLDED = {"un_folded", "prepbn_folded", "dyt"}
 # past every warm-up (PRepBN: inside its hand-over, where training computes LN and BN)
 STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_start": 0},
@@ -65,11 +75,16 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
         config = OmegaConf.load(ROOT / MODELS[model])
         config.masks = True
         net = build_detector(config, {"name": norm, **options}, num_classes=81)
+    elif model in LMS:
+        net = build_lm(OmegaConf.load(ROOT / MODELS[model]), {"name": norm, **options},
+                       vocab_size=LM_VOCAB)
     else:
         net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
     net.eval()
-    if variant in FOLDED:
-        fold_detector(net) if model in DETECTORS else fold_model(net)
+    if variant in CONVERTED:
+        CONVERTED[variant](net)
+    elif variant in FOLDED:
+        fold_detector(net) if model in DETECTORS else fold_lm(net) if model in LMS else fold_model(net)
     elif variant == "no_norm":
         for name, module in list(net.named_modules()):
             if isinstance(module, unnorm.ChannelNorm):
@@ -128,7 +143,14 @@ def machine(device: torch.device) -> str:
     return f"{name}, {torch.get_num_threads()} threads"
 
 
+def variants(model: str) -> list[str]:
+    """The inference variants of ``model``: the conversions exist for the language model."""
+    return [v for v in VARIANT_NORMS if v not in CONVERTED or model in LMS]
+
+
 def inputs(model: str, args, device: torch.device) -> torch.Tensor:
+    if model in LMS:
+        return torch.randint(0, LM_VOCAB, (args.batch, args.lm_context), device=device)
     if model in DETECTORS:
         return torch.rand(args.det_batch, 3, *COCO_IMAGE, device=device)
     return torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
@@ -138,7 +160,7 @@ def inference(args, device) -> list[dict]:
     images = {model: inputs(model, args, device) for model in args.models}
     runners = {}
     for model in args.models:
-        for variant in VARIANTS:
+        for variant in variants(model):
             net = build(model, variant, args.img_size, device)
             modes = {"eager": net}
             if args.compile and model not in DETECTORS:
@@ -166,7 +188,7 @@ def inference(args, device) -> list[dict]:
                                                device))
     if device.type == "cpu":
         for model in args.models:
-            for variant in VARIANTS:
+            for variant in variants(model):
                 memory[(model, variant, "eager")] = cpu_peak_rss(model, variant, args)
     rows = []
     for (model, variant, mode), values in times.items():
@@ -181,7 +203,8 @@ def cpu_peak_rss(model: str, variant: str, args) -> float:
     """Peak resident memory of a fresh process running the variant's inference (MB)."""
     probe = subprocess.run(
         [sys.executable, __file__, "--rss-probe", model, variant, "--batch", str(args.batch),
-         "--det-batch", str(args.det_batch), "--img-size", str(args.img_size)],
+         "--det-batch", str(args.det_batch), "--img-size", str(args.img_size),
+         "--lm-context", str(args.lm_context)],
         capture_output=True, text=True, check=True)
     return json.loads(probe.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
@@ -205,18 +228,26 @@ def training(args, device) -> list[dict]:
     compiled unless --no-compile."""
     images = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device)
     labels = torch.randint(0, 1000, (args.train_batch,), device=device)
+    tokens = torch.randint(0, LM_VOCAB, (args.train_batch, args.lm_context), device=device)
     steps = {}
     for model in [m for m in args.models if m not in DETECTORS]:
         for norm in args.train_norms:
-            net = create_classifier(MODELS[model], {"name": norm, **STEADY.get(norm, {})}, 1000,
-                                    args.img_size).to(device).train()
+            options = {"name": norm, **STEADY.get(norm, {})}
+            net = (build_lm(OmegaConf.load(ROOT / MODELS[model]), options, vocab_size=LM_VOCAB)
+                   if model in LMS else create_classifier(MODELS[model], options, 1000, args.img_size))
+            net = net.to(device).train()
             optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
             run = torch.compile(net) if args.compile else net
 
-            def step(run=run, optimizer=optimizer):
+            def loss_of(run, model=model):
+                if model in LMS:
+                    return run(input_ids=tokens, labels=tokens).loss
+                return torch.nn.functional.cross_entropy(run(images), labels)
+
+            def step(run=run, optimizer=optimizer, loss_of=loss_of):
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = torch.nn.functional.cross_entropy(run(images), labels)
+                    loss = loss_of(run)
                 loss.backward()
                 optimizer.step()
             print(f"warming up the training step of {model} with {norm}...", flush=True)
@@ -235,7 +266,7 @@ def training(args, device) -> list[dict]:
 
 
 def report(inference_rows, training_rows) -> str:
-    lines = ["| model | variant | mode | images/s | vs LN | vs no-norm | peak MB |",
+    lines = ["| model | variant | mode | images (LM: sequences)/s | vs LN | vs no-norm | peak MB |",
              "|---|---|---|---:|---:|---:|---:|"]
     speed = {(r["model"], r["variant"], r["mode"]): r["images_per_s"] for r in inference_rows}
     for r in inference_rows:
@@ -258,6 +289,7 @@ def main() -> None:
     parser.add_argument("--det-batch", type=int, default=2, help="Mask R-CNN inference batch")
     parser.add_argument("--train-batch", type=int, default=None, help="GPU 128, CPU 4")
     parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--lm-context", type=int, default=256, help="LM sequence length (Mix-LN's)")
     parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     add_shared_options(parser, "--train-norms", rounds=7, warmup=3,
@@ -285,7 +317,8 @@ def main() -> None:
         "device": machine(device), "torch": torch.__version__,
         "cuda": torch.version.cuda if gpu else None, "batch": args.batch,
         "det_batch": args.det_batch,
-        "train_batch": args.train_batch, "img_size": args.img_size, "rounds": args.rounds,
+        "train_batch": args.train_batch, "img_size": args.img_size, "lm_context": args.lm_context,
+        "rounds": args.rounds,
         "batches_per_round": args.batches, "command": " ".join(sys.argv),
         "inference": inference_rows, "training": training_rows, "table": table}, indent=2))
     print(f"wrote {out}")

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
+from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # analysis/ from a plain checkout
 
-from analysis.runs import (METHOD_NORMS, STABILITY_KEY, changes, ladder, load_runs,  # noqa: E402
-                           method_order, option_value, override_value, setting, where)
+from analysis.runs import (METHOD_NORMS, STABILITY_KEY, TASK_METRIC, changes,  # noqa: E402
+                           ladder, load_runs, method_order, option_value, override_value,
+                           setting, where)
 
 SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.",
                   STABILITY_KEY)
@@ -42,20 +44,38 @@ class Cell:
 
     runs: list = field(default_factory=list)
 
+    def values(self, metric: str) -> list[float]:
+        """The metric of every run that finished."""
+        return [r["metrics"][metric] for r in self.runs if r["status"] == "ok" and metric in r["metrics"]]
+
     def text(self, metric: str) -> str:
         if not self.runs:
             return "—"
-        ok = [r["metrics"][metric] for r in self.runs if r["status"] == "ok" and metric in r["metrics"]]
+        ok = self.values(metric)
+        digits = DIGITS.get(metric, 1)
         failed = [r for r in self.runs if r["status"] == "FAIL"]
         dagger = "†" if any(r.get("scale", "full") != "full" for r in self.runs) else ""
         parts = []
         if ok:
-            spread = f" ± {statistics.stdev(ok):.1f}" if len(ok) > 1 else ""
-            parts.append(f"{statistics.mean(ok):.1f}{spread} (n={len(ok)})")
+            spread = f" ± {statistics.stdev(ok):.{digits}f}" if len(ok) > 1 else ""
+            parts.append(f"{statistics.mean(ok):.{digits}f}{spread} (n={len(ok)})")
         if failed:
             steps = ", ".join(str(r["fail_step"]) for r in failed)
             parts.append(f"FAIL {len(failed)}/{len(self.runs)} (step {steps})")
         return "; ".join(parts) + dagger if parts else "—"  # e.g. no large objects: no APl
+
+
+DIGITS = {"val_loss": 3}  # decimals shown; others 1
+
+
+def welch(values: list[float], baseline: list[float], digits: int = 3) -> str:
+    """``difference (p=...)`` of the means by Welch's t-test, ``*`` when p < 0.05; "—" when
+    either side has fewer than two runs."""
+    if len(values) < 2 or len(baseline) < 2:
+        return "—"
+    p = stats.ttest_ind(values, baseline, equal_var=False).pvalue
+    mark = "*" if p < 0.05 else ""
+    return f"{statistics.mean(values) - statistics.mean(baseline):+.{digits}f} (p={p:.2g}){mark}"
 
 
 def select(runs: list[dict], **where: Callable[[dict], bool]) -> Cell:
@@ -119,9 +139,6 @@ def _same(text: Optional[str], value) -> bool:
         return text.lower() == str(value).lower()
 
 
-TASK_METRIC = {"classification": "top1", "translation": "bleu", "detection": "bbox_AP"}
-
-
 def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
     """Rows: the paper's component experiments; ours: a column per (task, model, data) of UN
     runs with ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default)."""
@@ -169,6 +186,60 @@ def settings_tables(runs: list[dict]) -> list[Table]:
                 for label in labels]
         tables.append(Table(f"CPU-scale settings: {model} {data}", ["setting", TASK_METRIC[task]], rows))
     return tables
+
+
+BATCH_KEY = "recipe.cpu.batch_size"  # the language-modelling batch-size sweep
+
+
+def lm_tables(runs: list[dict]) -> list[Table]:
+    """Per language-modelling testbed: every norm and placement as configured (validation loss,
+    its difference from Pre-LN with Welch's p, whether training-mode statistics see later
+    tokens); then the batch-size sweep, UN against LN at each batch size."""
+    lm = [r for r in runs if r.get("task") == "language_modelling"
+          and override_value(r, STABILITY_KEY) is None]
+    tables = []
+    for place in sorted({where(r) for r in lm}):
+        group = [r for r in lm if where(r) == place]
+        labels = sorted({setting(r) for r in group if " " not in setting(r)}, key=method_order)
+        cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
+        baseline = cells["Pre-LN"].values("val_loss") if "Pre-LN" in cells else []
+        rows = []
+        for label, cell in cells.items():
+            leak = {r["metrics"].get("leaks_future") for r in cell.runs if r["status"] == "ok"}
+            train_mode = [r["metrics"]["val_loss_train_mode"] for r in cell.runs
+                          if "val_loss_train_mode" in r.get("metrics", {})]
+            seen = ("yes" if leak == {True} else "no" if leak == {False} else "mixed" if leak else "—")
+            if train_mode:
+                seen += f" (train mode {statistics.mean(train_mode):.3f})"
+            rows.append([label, cell.text("val_loss"),
+                         "—" if label == "Pre-LN" else welch(cell.values("val_loss"), baseline), seen])
+        tables.append(Table(
+            f"Language modelling: {place[1]} {place[2]}, validation loss (nats)",
+            ["setting", "val_loss", "vs Pre-LN: difference (Welch p)", "sees later tokens"], rows,
+            ["Lower is better; * marks p < 0.05 (Welch, against Pre-LN's seeds). "
+             "'sees later tokens': training-mode logits at position t move when a later token "
+             "changes (the future-leak probe); 'train mode' is the validation loss with "
+             "training-mode statistics."]))
+        if any(override_value(r, BATCH_KEY) is not None for r in group):
+            tables.append(batch_table(place, group, sorted({r["batch_size"] for r in group})))
+    return tables
+
+
+def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:
+    """Pre-LN and Pre-UN at each batch size of the sweep: runs whose only changes are the
+    recipe's (batch size and the updates that keep the tokens fixed), or none."""
+    def cell(norm: str, size: int) -> Cell:
+        return Cell([r for r in group if r.get("norm") == norm and r["norm_position"] == "pre"
+                     and all(c.startswith("recipe.") for c in changes(r)) and r["batch_size"] == size])
+    rows = [[method] + [cell(norm, size).text("val_loss") for size in sizes]
+            for method, norm in (("Pre-LN", "ln"), ("Pre-UN", "un"))]
+    rows.append(["UN − LN (Welch p)"] + [welch(cell("un", size).values("val_loss"),
+                                               cell("ln", size).values("val_loss")) for size in sizes])
+    return Table(f"Language modelling: {place[1]} {place[2]}, validation loss by batch size "
+                 "(sequences per update, same training tokens)",
+                 ["setting"] + [str(size) for size in sizes], rows,
+                 ["* marks p < 0.05 (Welch). The micro-batch is the batch: UN's and LN's "
+                  "statistics see the batch size in the column."])
 
 
 FOLDED_VARIANTS = {"un_folded": "UN", "prepbn_folded": "PRepBN", "dyt": "DyT"}
@@ -246,7 +317,7 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
                     {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
                     runs, "norm.momentum"),
     ]
-    return tables + stability_tables(runs) + settings_tables(runs)
+    return tables + lm_tables(runs) + stability_tables(runs) + settings_tables(runs)
 
 
 def _coco_metric(column: str) -> str:

@@ -9,13 +9,18 @@
 #   old_rule    UN, MABN, PN, PN_LS under the previous CPU rule (warm-up 40, compensation 1000)
 #   stability   every norm (and UN without outlier filtration) on T2T-ViT at 3x, 10x and 30x
 #               the recipe's learning rate, two seeds (1x: the main runs)
-# then the tables, the stability figure, PNAC/statistics figures and CKA.
+#   lm          the Llama-style decoder: every norm in Pre placement, LN in Post, Peri and Mix
+#   lm_stability  Pre-/Post-/Peri-/Mix-LN, RMSNorm, UN, DyT and NoNorm at 3x and 10x the
+#               learning rate, two seeds (1x: the lm runs)
+#   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
+# then the tables, the stability figures, the LM loss curves, PNAC/statistics figures and CKA.
 #
 # Runs go to $OUT (checkpoints, statistics, logs); their records (result.json, config.yaml,
 # metrics.jsonl) are copied to results/runs/cpu, which scripts/make_tables.py reads. Runs
 # that already have a result are skipped, so an interrupted reproduction continues where it
 # stopped. $JOBS runs at a time (default: one per core), one thread each.
 #   bash scripts/reproduce_cpu.sh            # everything
+#   bash scripts/reproduce_cpu.sh lm lm_stability   # only these groups' runs
 #   bash scripts/reproduce_cpu.sh --list     # the runs, one per line: <group>/<name> <overrides>
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +69,28 @@ runs() {  # one line per run: <group>/<name> <overrides...>
       echo "stability/t2t_vit_14_$norm-lr${lr}x-s$seed +exp=t2t_vit_14_$norm lr_multiple=$lr seed=$seed"; done
     echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
   done; done
+  lm_runs
+}
+
+lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
+  for seed in 0 1 2; do
+    for norm in $NORMS; do
+      echo "lm/llama_cpu_$norm-s$seed +exp=llama_71m_$norm seed=$seed"; done
+    for position in post peri mix; do
+      echo "lm/llama_cpu_ln-$position-s$seed +exp=llama_71m_ln model.norm_position=$position seed=$seed"; done
+  done
+  for seed in 0 1; do for lr in 3 10; do
+    for norm in ln rms un dyt nonorm; do
+      echo "lm_stability/llama_cpu_$norm-lr${lr}x-s$seed +exp=llama_71m_$norm lr_multiple=$lr seed=$seed"; done
+    for position in post peri mix; do
+      echo "lm_stability/llama_cpu_ln-$position-lr${lr}x-s$seed +exp=llama_71m_ln model.norm_position=$position lr_multiple=$lr seed=$seed"; done
+  done; done
+  # the same 737k training tokens (360 updates of 16 x 128) in 4x more or fewer updates; the
+  # micro-batch is the batch, so that UN's and LN's statistics see the batch size swept
+  for seed in 0 1; do for norm in ln un; do
+    echo "lm_batch/llama_cpu_$norm-b4-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=4 recipe.cpu.micro_batch_size=4 recipe.cpu.max_steps=1440 recipe.cpu.warmup_steps=144 recipe.cpu.eval_every=360 seed=$seed"
+    echo "lm_batch/llama_cpu_$norm-b64-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30 seed=$seed"
+  done; done
 }
 
 run_one() {  # <group>/<name> <overrides...>
@@ -84,13 +111,16 @@ if [[ "${1:-}" == --list ]]; then
   runs
   exit 0
 fi
+selected() {  # the runs of the groups named on the command line (all without any)
+  if (( $# == 0 )); then runs; else runs | grep -E "^($(IFS='|'; echo "$*"))/"; fi
+}
 
 if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   threads=$(( JOBS > 1 ? 1 : $(nproc) ))
-  runs | OMP_NUM_THREADS=$threads xargs -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
+  selected "$@" | OMP_NUM_THREADS=$threads xargs -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
 fi
 
-rm -rf results/runs/cpu
+# every finished run's records, replacing older records of the same run; none is deleted
 for result in "$OUT"/*/*/result.json; do
   run=$(dirname "$result")
   dest="results/runs/cpu/$(basename "$(dirname "$run")")/$(basename "$run")"
@@ -100,6 +130,8 @@ for result in "$OUT"/*/*/result.json; do
 done
 "$PY" scripts/make_tables.py
 "$PY" -m analysis.stability
+"$PY" -m analysis.lm_curves
+[[ -d "$OUT/main" ]] || exit 0  # the figures below read the main runs' statistics and checkpoints
 for exp in $ANALYSED; do
   "$PY" scripts/analyze_run.py "$OUT/main/$exp-s0" --out "results/analysis/$exp-cpu"
 done

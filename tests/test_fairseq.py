@@ -138,6 +138,13 @@ def test_experiments_give_the_papers_fairseq_commands(tmp_path):
     # the norms' step counts shrink with the learning-rate warm-up (6000 -> 100 updates)
     assert small.norm.warmup_iters == round(4000 * 100 / 6000) and small.norm.outlier_filtration is False
     assert "--norm-pad-mask false" in " ".join(launcher.train_command(small, _Env(), tmp_path, tmp_path))
+    # placement: fairseq's layer option (normalize_before); peri and mix are refused with the fix
+    post = launcher.train_command(config("+exp=iwslt14_un", "model.norm_position=post"), _Env(),
+                                  tmp_path, tmp_path)
+    assert "--encoder-normalize-before" not in post and "--decoder-normalize-before" not in post
+    with pytest.raises(ValueError, match="pre or post.*language-modelling"):
+        launcher.train_command(config("+exp=iwslt14_un", "model.norm_position=peri"), _Env(),
+                               tmp_path, tmp_path)
 
 
 @pytest.fixture

@@ -68,3 +68,6 @@ def test_batch_statistics_see_the_future_and_per_position_norms_do_not(norm):
     for online in ("ln", "rms", "dyt"):
         cfg = config(f"+exp=llama_71m_{online}", *TINY_MODEL)
         assert not future_leak(build_lm(cfg.model, cfg.norm, vocab_size=300), inputs)["leaks"]
+    if norm in ("bn", "prepbn"):  # their causal option pools over positions <= t only
+        cfg = config(f"+exp=llama_71m_{norm}", *TINY_MODEL, *handed_over, "norm.causal=true")
+        assert not future_leak(build_lm(cfg.model, cfg.norm, vocab_size=300), inputs)["leaks"]

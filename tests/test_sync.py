@@ -1,5 +1,6 @@
 """Norm state across data-parallel replicas, on two gloo processes, every replica checked:
-``sync_stats`` (two replicas with batch b each equal one process with batch 2b) and
+``sync_stats`` (two replicas with batch b each equal one process with batch 2b; BN and PRepBN
+also with causal statistics) and
 ``distribute_norm_state`` (the replicas' states made one before evaluating and saving)."""
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.xdist_group("sync")
 NORMS = {"un": {"warmup_iters": 4, "outlier_filtration": True, "window_size": 2},
          "mabn": {"warmup_iters": 4, "window_size": 2}, "pn": {"warmup_iters": 4},
          "pn_ls": {"warmup_iters": 4, "group_num": 5}, "bn": {},
-         "prepbn": {"warmup_iters": 2, "decay_iters": 4}}
+         "prepbn": {"warmup_iters": 2, "decay_iters": 4},
+         "bn-causal": {"causal": True}, "prepbn-causal": {"decay_iters": 2, "causal": True}}
 STEPS, C = 8, 5
 
 
@@ -55,7 +57,7 @@ def _replica(rank, port, out_dir):
     synced = {}
     for name, options in NORMS.items():
         torch.manual_seed(0)
-        norm = unnorm.build_norm(name, C, sync_stats=True, **options)
+        norm = unnorm.build_norm(name.split("-")[0], C, sync_stats=True, **options)
         outputs = _run(norm, *_batches(), slice(2 * rank, 2 * rank + 2))
         for _, _, dw, _ in outputs:  # DDP would average parameter gradients: sum them here
             dist.all_reduce(dw)
@@ -86,7 +88,7 @@ def replicas(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", NORMS)
 def test_synced_replicas_equal_one_process_with_the_whole_batch(name, replicas):
     """Every replica, at every step: outputs, gradients and the whole norm state."""
-    single = unnorm.build_norm(name, C, **NORMS[name])
+    single = unnorm.build_norm(name.split("-")[0], C, **NORMS[name])
     whole = _run(single, *_batches(), slice(0, 4))
     for step, (y, dx, dw, state) in enumerate(whole):
         for rank in range(2):

@@ -124,6 +124,64 @@ def test_stability_map_table_and_figure(tmp_path):
     assert (tmp_path / "fig" / "t2t_vit_14_digits.png").stat().st_size > 10_000
 
 
+def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
+                 overrides=(), batch_size=16, **metrics) -> None:
+    """A language-modelling run with a two-point validation curve in its metrics.jsonl."""
+    write_run(root, name, task="language_modelling", model="llama_cpu", exp_data="lm_cpu",
+              scale="cpu", norm=norm, seed=seed, norm_position=position, batch_size=batch_size,
+              overrides=[*overrides, f"seed={seed}"],
+              metrics={"val_loss": val_loss, **metrics})
+    rows = [{"step": 1, "tokens": 1000, "val_loss": val_loss + 1.0},
+            {"step": 2, "tokens": 2000, "val_loss": val_loss}]
+    (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_language_modelling_table_tests_each_setting_against_pre_ln(tmp_path):
+    from scipy import stats
+    runs = tmp_path / "runs"
+    ln, un, post = [3.90, 3.91, 3.92], [3.95, 3.97, 3.99], [3.905, 3.925, 3.915]
+    for seed in range(3):
+        write_lm_run(runs, f"ln{seed}", "ln", seed, ln[seed], leaks_future=False)
+        write_lm_run(runs, f"un{seed}", "un", seed, un[seed], leaks_future=True,
+                     val_loss_train_mode=3.5)
+        write_lm_run(runs, f"post{seed}", "ln", seed, post[seed], "post",
+                     overrides=["model.norm_position=post"], leaks_future=False)
+    write_lm_run(runs, "nonorm_fail", "nonorm", 0, 0.0)
+    (runs / "nonorm_fail" / "result.json").write_text(json.dumps(
+        {**json.loads((runs / "nonorm_fail" / "result.json").read_text()),
+         "status": "FAIL", "fail_step": 77, "metrics": {}}))
+    for seed in range(2):  # the batch-size sweep: 4 and 64 beside the configured 16
+        for size, shift in ((4, 0.2), (64, -0.1)):
+            for norm, loss in (("ln", ln[seed]), ("un", un[seed])):
+                write_lm_run(runs, f"{norm}_b{size}_{seed}", norm, seed, loss + shift,
+                             overrides=[f"recipe.cpu.batch_size={size}", "recipe.cpu.max_steps=9"],
+                             batch_size=size)
+    markdown = make_tables(runs, tmp_path / "out")
+    title = "Language modelling: llama_cpu lm_cpu, validation loss"
+    p_un = stats.ttest_ind(un, ln, equal_var=False).pvalue
+    p_post = stats.ttest_ind(post, ln, equal_var=False).pvalue
+    assert p_un < 0.05 < p_post  # the synthetic data: one difference real, one within noise
+    assert table_row(markdown, title, "Pre-LN")[1:] == ["3.910 ± 0.010 (n=3)†", "—", "no"]
+    assert table_row(markdown, title, "Pre-UN")[1:] == [
+        "3.970 ± 0.020 (n=3)†", f"+0.060 (p={p_un:.2g})*", "yes (train mode 3.500)"]
+    assert table_row(markdown, title, "Post-LN")[1:] == [
+        "3.915 ± 0.010 (n=3)†", f"+0.005 (p={p_post:.2g})", "no"]
+    assert table_row(markdown, title, "Pre-NoNorm")[1] == "FAIL 1/1 (step 77)†"
+    sweep = "Language modelling: llama_cpu lm_cpu, validation loss by batch size"
+    assert table_row(markdown, sweep, "setting")[1:] == ["4", "16", "64"]
+    assert table_row(markdown, sweep, "Pre-LN")[1:] == [
+        "4.105 ± 0.007 (n=2)†", "3.910 ± 0.010 (n=3)†", "3.805 ± 0.007 (n=2)†"]
+    p16 = stats.ttest_ind(un, ln, equal_var=False).pvalue
+    assert table_row(markdown, sweep, "UN − LN (Welch p)")[2] == f"+0.060 (p={p16:.2g})*"
+    proc = subprocess.run([sys.executable, "-m", "analysis.lm_curves", "--runs", str(runs),
+                           "--out", str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    curves = json.loads((tmp_path / "fig" / "llama_cpu_lm_cpu_curves.json").read_text())
+    assert list(curves) == ["Pre-LN", "Post-LN", "Pre-UN"]  # as configured, finished runs only
+    assert curves["Pre-UN"] == {"1000": [v + 1.0 for v in un], "2000": un}
+    assert (tmp_path / "fig" / "llama_cpu_lm_cpu_curves.png").stat().st_size > 10_000
+
+
 def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
     """``make_tables`` on the committed runs gives the committed tables: every number in them
     can be traced to a committed result.json."""

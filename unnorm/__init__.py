@@ -13,7 +13,8 @@ from .convert import (CompressedRMSNorm, center_writer, compress_readers, compre
 from .distributed import NORM_SYNC_MODES, check_norm_sync, distribute_norm_state, norm_state
 from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
-from .fold import ChannelAffine, FoldedNorm, fold_into_linear, fold_norms, to_affine
+from .fold import (ChannelAffine, FoldedNorm, check_fold_plan, fold_by_plan, fold_into_linear,
+                   fold_norms, to_affine)
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
@@ -37,7 +38,7 @@ def reset_steps(model) -> int:
 __all__ = [
     "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "option_names",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
-    "fold_into_linear", "fold_norms", "to_affine", "replace_module", "record_statistics", "reset_steps",
+    "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine", "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",

@@ -297,13 +297,13 @@ def replicas_active(sync: bool) -> bool:
 
 
 def sum_over_replicas(*tensors: torch.Tensor, differentiable: bool = False) -> list[torch.Tensor]:
-    """All-reduce (sum) small per-channel tensors in one collective."""
+    """All-reduce (sum) small tensors in one collective; each keeps its shape."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     if differentiable:
         flat = _AllReduceSum.apply(flat)
     else:
         dist.all_reduce(flat)
-    return list(flat.split([t.numel() for t in tensors]))
+    return [part.reshape(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from .base import ChannelNorm
 from .swap import replace_module
 
 
@@ -128,3 +129,25 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
         replace_module(model, norm_name, folded)
         replaced += 1
     return replaced
+
+
+def check_fold_plan(model: nn.Module, plan: Mapping[str, Sequence[str]]) -> Mapping[str, Sequence[str]]:
+    """A whole-model fold plan must name every norm of the model, and only those."""
+    present = {name for name, module in model.named_modules() if isinstance(module, ChannelNorm)}
+    if present != set(plan):
+        raise RuntimeError(f"fold plan and model disagree: plan misses {sorted(present - set(plan))}, "
+                           f"model lacks {sorted(set(plan) - present)}")
+    return plan
+
+
+def fold_by_plan(model: nn.Module, plan: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Fold every offline norm (and DyT's affine) of an eval-mode model in place, by a plan
+    naming each norm's linear consumers (``fold_norms``; checked to cover every norm).
+    Returns how many norms went into linear layers, how many became frozen affines, and how
+    many DyTs without a linear consumer stayed whole."""
+    check_fold_plan(model, plan)
+    unconsumed = [name for name, linears in plan.items() if not linears]
+    kept = sum(1 for name in unconsumed if not model.get_submodule(name).offline)
+    fold_norms(model, plan)
+    return {"folded": len(plan) - len(unconsumed), "affine": len(unconsumed) - kept, "kept": kept}
+

@@ -24,22 +24,23 @@ from torch import nn
 from .base import (StepCounted, check_momentum, commit_on_backward, replicas_active, statistic_ok,
                    upcast)
 from .estimated import step_count
-from .simple import batch_standardize, running_statistics
+from .simple import CausalStatistics, batch_standardize, running_statistics
 
 
-class ProgressiveRepBN(StepCounted):
+class ProgressiveRepBN(CausalStatistics, StepCounted):
     """PRepBN. ``weight``/``bias`` are the starting norm's affine (what ``swap_norms`` carries
     over; ``bias=False``: a weight only); ``bn_weight``/``bn_bias`` the BatchNorm's; ``alpha``
     RepBN's scalar (shape (1,), as released). ``momentum`` is the paper's alpha (0.9 = torch's
-    BatchNorm momentum 0.1); BN's statistics cover every valid position and are updated once
-    the warm-up is over."""
+    BatchNorm momentum 0.1); BN's statistics cover every valid position (``causal``: positions
+    ``<= t`` only, ``unnorm.simple.CausalStatistics``) and are updated once the warm-up is
+    over."""
 
     START_NORMS = ("ln", "rms")
 
     def __init__(self, num_features: int, warmup_iters: int = 0, decay_iters: int = 300000,
                  r0: float = 1.0, momentum: float = 0.9, eps: float = 1e-5,
                  sync_stats: bool = False, start_norm: str = "ln", bias: bool = True,
-                 device=None, dtype=None):
+                 causal: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         if not bias:
             self.register_parameter("bias", None)
@@ -57,7 +58,7 @@ class ProgressiveRepBN(StepCounted):
                              "trainers derive it from norm.decay_end and the run's length)")
         self.warmup_iters = step_count("warmup_iters", warmup_iters)
         self.decay_iters = step_count("decay_iters", decay_iters)
-        self.r0, self.sync_stats = float(r0), bool(sync_stats)
+        self.r0, self.sync_stats, self.causal = float(r0), bool(sync_stats), bool(causal)
         factory = {"device": device, "dtype": dtype}
         self.bn_weight = nn.Parameter(torch.ones(num_features, **factory))
         self.bn_bias = nn.Parameter(torch.zeros(num_features, **factory))
@@ -67,7 +68,8 @@ class ProgressiveRepBN(StepCounted):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, start={self.start_norm}, warmup={self.warmup_iters}, "
-                f"decay={self.decay_iters}, r0={self.r0}, momentum={self.momentum}")
+                f"decay={self.decay_iters}, r0={self.r0}, momentum={self.momentum}"
+                + (", causal" if self.causal else ""))
 
     def layer_norm_share(self, step: torch.Tensor) -> torch.Tensor:
         """lam at training step ``step`` (1 during warm-up, then r0 * k / decay_iters)."""
@@ -89,7 +91,8 @@ class ProgressiveRepBN(StepCounted):
         step = self.num_iters + 1
         start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
-                                                replicas_active(self.sync_stats))
+                                                replicas_active(self.sync_stats),
+                                                self._positions if self.causal else None)
         if self._recording:
             self._tap.record_act(var)
         z = self._watch_grad(z, valid)

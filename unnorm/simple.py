@@ -56,24 +56,51 @@ class NoNorm(ChannelNorm):
         return self._watch_grad(upcast(rows).view_as(rows), valid)  # a new node, not the caller's
 
 
-class BatchNorm(GuardedNorm):
+class CausalStatistics:
+    """The ``causal`` option of a batch-statistics norm (BN, PRepBN's BN) in a causal model.
+
+    Pooled over every position, training-mode statistics let the output at position t depend
+    on later tokens (``plugins.lm.leak`` measures it). With ``causal=True`` the input must be
+    batch-first sequences ``(B, T, C)``, and position t is standardised by the mean and
+    variance of every sequence's positions ``<= t``: nothing later reaches it. What it
+    changes: early positions are standardised by few rows (position 0 by B), so training
+    sees noisier statistics there than evaluation's running ones, which still follow the
+    whole batch's statistics as without the option.
+    """
+
+    causal: bool = False
+    _positions: Optional[int] = None  # T of the input being normalised, when causal
+
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.causal:
+            if x.dim() != 3:
+                raise ValueError(f"{type(self).__name__}(causal=True) needs batch-first sequences "
+                                 f"(B, T, C), got shape {tuple(x.shape)}; transpose time-first "
+                                 "input (x.transpose(0, 1)) or drop causal for non-sequence input")
+            self._positions = x.shape[1]
+        return super().forward(x, pad_mask)
+
+
+class BatchNorm(CausalStatistics, GuardedNorm):
     """BatchNorm over every valid position (batch x tokens) of channels-last input.
 
     ``momentum`` is the paper's alpha: ``running = alpha * running + (1 - alpha) * batch``
     (torch's BatchNorm momentum is ``1 - alpha``). Running variance is unbiased, as in torch.
     A rejected batch (see ``GuardedNorm``) leaves the running statistics as they were.
+    ``causal``: statistics over positions ``<= t`` only (``CausalStatistics``).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
-                 sync_stats: bool = False, device=None, dtype=None):
+                 sync_stats: bool = False, causal: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.momentum = check_momentum("momentum", momentum)
         self.sync_stats = bool(sync_stats)  # statistics over all data-parallel replicas
+        self.causal = bool(causal)
         self.register_buffer("running_mean", torch.zeros(num_features, device=device))
         self.register_buffer("running_var", torch.ones(num_features, device=device))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, momentum={self.momentum}"
+        return f"{super().extra_repr()}, momentum={self.momentum}" + (", causal" if self.causal else "")
 
     def _normalize(self, rows, valid):
         rows = upcast(rows)
@@ -81,7 +108,8 @@ class BatchNorm(GuardedNorm):
             scale, shift = self.inference_affine()
             return torch.addcmul(shift, rows, scale)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
-                                                replicas_active(self.sync_stats))
+                                                replicas_active(self.sync_stats),
+                                                self._positions if self.causal else None)
         state = running_statistics(self, mean, var, count)
         if self._recording:
             self._tap.record_act(var)
@@ -105,14 +133,17 @@ def running_statistics(norm: nn.Module, mean: torch.Tensor, var: torch.Tensor,
 
 
 def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
-                      sync: bool = False):
+                      sync: bool = False, positions: Optional[int] = None):
     """``(z, mean, var, count)``: rows standardised by the mean and biased variance of their
     valid rows (over every replica with ``sync``), differentiably.
 
     Without padding or replicas this is torch's fused batch-norm kernel (which refuses an
     empty batch: that one takes the general path, and the caller rejects it). Padded rows are
-    standardised too, but add no gradient to the statistics.
+    standardised too, but add no gradient to the statistics. With ``positions`` (T), the rows
+    are batch-first sequences of T positions, standardised causally (``prefix_standardize``).
     """
+    if positions is not None:
+        return prefix_standardize(rows, valid, eps, sync, positions)
     count = row_count(rows, valid)
     if valid is None and not sync and rows.shape[0] > 0:
         z, mean, inv_std = torch.native_batch_norm(rows, None, None, None, None, True, 0.0, eps)
@@ -132,3 +163,41 @@ def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: fl
     if valid is not None:  # padded rows are standardised, but add no gradient to statistics
         z = torch.where(valid[:, None], z, (rows - mean.detach()) * inv_std.detach())
     return z, mean.detach(), var.detach(), count
+
+
+def prefix_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
+                       sync: bool, positions: int):
+    """``batch_standardize`` of batch-first sequences ``(B * T, C)``, each position t by the
+    mean and biased variance of the valid rows at positions ``<= t`` of every sequence (of
+    every replica with ``sync``). The returned ``mean``, ``var`` and ``count`` are the whole
+    batch's (position T-1's), for the running statistics.
+
+    Sums are cumulative over positions, taken about a detached shift (position 0's mean) so
+    that E[x^2] - E[x]^2 keeps float32's precision; the shift cancels exactly in value.
+    """
+    seqs = rows.reshape(-1, positions, rows.shape[1])
+    if valid is None:
+        weight = torch.ones(1, positions, 1, dtype=rows.dtype, device=rows.device).expand(
+            seqs.shape[0], -1, -1)
+    else:
+        weight = valid.reshape(-1, positions, 1).to(rows.dtype)
+        seqs = zero_padding(rows, valid).reshape(seqs.shape)
+    first = torch.stack([(seqs[:, 0] * weight[:, 0]).sum(dim=0).detach(), weight[:, 0].sum(dim=0)
+                         .expand(rows.shape[1]).detach()])
+    if sync:
+        (first,) = sum_over_replicas(first)
+    shift = first[0] / first[1].clamp_min(1)
+    centred = (seqs - shift) * weight
+    sums = [centred.sum(dim=0), centred.square().sum(dim=0), weight.sum(dim=0)]  # (T, C|1)
+    if sync:
+        sums = sum_over_replicas(*sums, differentiable=True)
+    total, total_sq, count = (s.cumsum(dim=0) for s in sums)
+    mean = total / count.clamp_min(1)
+    var = (total_sq / count.clamp_min(1) - mean.square()).clamp_min(0)
+    inv_std = torch.rsqrt(var + eps)
+    z = (seqs - shift - mean) * inv_std
+    if valid is not None:  # padded rows are standardised, but add no gradient to statistics
+        raw = rows.reshape(seqs.shape)
+        z = torch.where(weight.bool(), z, (raw - shift - mean.detach()) * inv_std.detach())
+    return (z.reshape(rows.shape), (shift + mean[-1]).detach(), var[-1].detach(),
+            count[-1].detach())

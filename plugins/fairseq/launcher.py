@@ -185,6 +185,19 @@ def precision_flags(cfg: DictConfig, device: str) -> list[str]:
     return ["--fp16"] if cfg.amp and device == "cuda" else []
 
 
+#: fairseq's Transformer layers have two placements, a layer option each; Peri- and Mix-LN
+#: are the language-modelling task's (plugins/lm)
+PLACEMENT_FLAGS = {"pre": ["--encoder-normalize-before", "--decoder-normalize-before"], "post": []}
+
+
+def placement_flags(position: str) -> list[str]:
+    if position not in PLACEMENT_FLAGS:
+        raise ValueError(f"model.norm_position={position!r}: fairseq's Transformer layer places "
+                         f"its norms {' or '.join(PLACEMENT_FLAGS)} (normalize_before); peri and mix "
+                         "are placements of the language-modelling decoder (+exp=llama_71m_<norm>)")
+    return PLACEMENT_FLAGS[position]
+
+
 def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
                   device: str = "cpu") -> list[str]:
     command = [*env.module("plugins.fairseq.train"), str(data), "--user-dir", str(USER_DIR),
@@ -193,8 +206,7 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
                *norm_flags(cfg.norm.name, norm_kwargs(cfg.norm)), "--seed", str(cfg.seed),
                "--save-dir", str(save_dir), "--keep-last-epochs", str(cfg.recipe.average_last),
                "--log-format", "json", "--num-workers", str(cfg.scale.num_workers)]
-    if cfg.model.normalize_before:
-        command += ["--encoder-normalize-before", "--decoder-normalize-before"]
+    command += placement_flags(cfg.model.norm_position)
     command += ["--norm-pad-mask", str(bool(cfg.model.norm_pad_mask)).lower()]
     train = _container(cfg.recipe.train)
     train["lr"] = train["lr"] * cfg.lr_multiple

@@ -142,5 +142,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                           f"({m['tokens_per_s']:.0f} tokens/s)",
         meta={**meta, **run_meta(cfg, "language_modelling", world.world, out_dir,
                                  norm_position=cfg.model.norm_position, corpus=corpus.record(),
+                                 batch_size=recipe.batch_size, context=context,
                                  accumulate=accumulate)},
         init=init)

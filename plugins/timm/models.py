@@ -1,10 +1,9 @@
 """timm models with our norms, and their fold plans (which linear reads each norm)."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping
 
 import timm
-import torch
 from omegaconf import OmegaConf
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import nn
@@ -115,16 +114,6 @@ def swin_fold_plan(model: SwinTransformer) -> dict[str, list[str]]:
     return plan
 
 
-def check_plan(model: nn.Module, plan: dict[str, list[str]]) -> dict[str, list[str]]:
-    """A fold plan must name every norm of the model, and only those."""
-    present = {name for name, module in model.named_modules()
-               if isinstance(module, unnorm.ChannelNorm)}
-    if present != set(plan):
-        raise RuntimeError(f"fold plan and model disagree: plan misses {sorted(present - set(plan))}, "
-                           f"model lacks {sorted(set(plan) - present)}")
-    return plan
-
-
 def fold_plan(model: nn.Module) -> dict[str, list[str]]:
     """Map each norm of a Swin or T2T-ViT classifier to the linear layers reading its output."""
     if isinstance(model, SwinTransformer):
@@ -141,16 +130,10 @@ def fold_plan(model: nn.Module) -> dict[str, list[str]]:
     else:
         raise TypeError(f"no fold plan for {type(model).__name__}; write one mapping each norm "
                         "to the linear layers that read it (unnorm.fold_norms)")
-    return check_plan(model, plan)
+    return plan
 
 
-@torch.no_grad()
-def fold_model(model: nn.Module, plan: Optional[dict[str, list[str]]] = None) -> dict[str, int]:
-    """Fold every offline norm (and DyT's affine) of an eval-mode model in place, by ``plan``
-    (by default the classifier's); returns how many norms went into linear layers, how many
-    became frozen affines, and how many DyTs without a linear consumer stayed whole."""
-    plan = plan if plan is not None else fold_plan(model)
-    unconsumed = [name for name, linears in plan.items() if not linears]
-    kept = sum(1 for name in unconsumed if not model.get_submodule(name).offline)
-    unnorm.fold_norms(model, plan)
-    return {"folded": len(plan) - len(unconsumed), "affine": len(unconsumed) - kept, "kept": kept}
+def fold_model(model: nn.Module) -> dict[str, int]:
+    """Fold every offline norm (and DyT's affine) of an eval-mode classifier in place
+    (``unnorm.fold_by_plan`` with the classifier's plan)."""
+    return unnorm.fold_by_plan(model, fold_plan(model))

@@ -16,8 +16,9 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
-from plugins.timm.models import (check_plan, create_classifier, fold_model, groups_by_heads,
-                                 host_norm_layer, regroup, swin_fold_plan)
+import unnorm
+from plugins.timm.models import (create_classifier, groups_by_heads, host_norm_layer, regroup,
+                                 swin_fold_plan)
 
 # A classifier checkpoint's keys the backbone has no use for: the head and the final norm.
 CLASSIFIER_ONLY = ("head.", "norm.")
@@ -85,9 +86,9 @@ def detector_fold_plan(detector: nn.Module) -> dict[str, list[str]]:
             for norm, linears in swin_fold_plan(detector.backbone.body).items()}
     for index in range(len(detector.backbone.out_norms)):
         plan[f"backbone.out_norms.{index}"] = [f"backbone.fpn.inner_blocks.{index}.0"]
-    return check_plan(detector, plan)
+    return plan
 
 
 def fold_detector(detector: nn.Module) -> dict[str, int]:
     """Fold the offline norms of an eval-mode detector in place."""
-    return fold_model(detector, detector_fold_plan(detector))
+    return unnorm.fold_by_plan(detector, detector_fold_plan(detector))
