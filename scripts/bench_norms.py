@@ -6,8 +6,9 @@ to the input and the parameters) and one inference forward. Every round times ea
 once in a shuffled order, so drift affects all alike; the report gives medians and their
 ratios to torch's LayerNorm eager, to LayerNorm compiled, and to the faster of the two (the
 fastest LayerNorm a user can run). Estimated norms are timed after their warm-up. ``crms``
-is Pre-CRMSNorm's norm (``unnorm.CompressedRMSNorm``) on the stream one channel narrower that
-the exact Pre-LN conversion leaves, beside ``ln`` and ``rms``: the three side by side.
+(always measured) is Pre-CRMSNorm's norm (``unnorm.CompressedRMSNorm``) on the stream one
+channel narrower that the exact Pre-LN conversion leaves: with ``rms`` among the norms, the
+conversion's three norms side by side.
 
     python scripts/bench_norms.py                         # both shapes, every norm
     python scripts/bench_norms.py --shapes tokens --norms ln un --rounds 50

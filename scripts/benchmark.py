@@ -77,7 +77,7 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
         net = build_detector(config, {"name": norm, **options}, num_classes=81)
     elif model in LMS:
         net = build_lm(OmegaConf.load(ROOT / MODELS[model]), {"name": norm, **options},
-                       vocab_size=LM_VOCAB)
+                       vocab_size=LM_VOCAB, use_cache=False)  # a forward pass, no KV cache
     else:
         net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
     net.eval()
@@ -233,7 +233,8 @@ def training(args, device) -> list[dict]:
     for model in [m for m in args.models if m not in DETECTORS]:
         for norm in args.train_norms:
             options = {"name": norm, **STEADY.get(norm, {})}
-            net = (build_lm(OmegaConf.load(ROOT / MODELS[model]), options, vocab_size=LM_VOCAB)
+            net = (build_lm(OmegaConf.load(ROOT / MODELS[model]), options, vocab_size=LM_VOCAB,
+                            use_cache=False)
                    if model in LMS else create_classifier(MODELS[model], options, 1000, args.img_size))
             net = net.to(device).train()
             optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)

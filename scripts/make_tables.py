@@ -73,9 +73,11 @@ def welch(values: list[float], baseline: list[float], digits: int = 3) -> str:
     either side has fewer than two runs."""
     if len(values) < 2 or len(baseline) < 2:
         return "—"
+    difference = statistics.mean(values) - statistics.mean(baseline)
+    if statistics.pstdev(values) == statistics.pstdev(baseline) == 0:
+        return f"{difference:+.{digits}f} (no spread: no test)"
     p = stats.ttest_ind(values, baseline, equal_var=False).pvalue
-    mark = "*" if p < 0.05 else ""
-    return f"{statistics.mean(values) - statistics.mean(baseline):+.{digits}f} (p={p:.2g}){mark}"
+    return f"{difference:+.{digits}f} (p={p:.2g}){'*' if p < 0.05 else ''}"
 
 
 def select(runs: list[dict], **where: Callable[[dict], bool]) -> Cell:
@@ -189,6 +191,9 @@ def settings_tables(runs: list[dict]) -> list[Table]:
 
 
 BATCH_KEY = "recipe.cpu.batch_size"  # the language-modelling batch-size sweep
+#: what a batch-size sweep's run may change: the batch, and the updates that keep its tokens
+BATCH_SWEEP_KEYS = tuple(f"recipe.cpu.{key}=" for key in
+                         ("batch_size", "micro_batch_size", "max_steps", "warmup_steps", "eval_every"))
 
 
 def lm_tables(runs: list[dict]) -> list[Table]:
@@ -207,7 +212,7 @@ def lm_tables(runs: list[dict]) -> list[Table]:
         for label, cell in cells.items():
             leak = {r["metrics"].get("leaks_future") for r in cell.runs if r["status"] == "ok"}
             train_mode = [r["metrics"]["val_loss_train_mode"] for r in cell.runs
-                          if "val_loss_train_mode" in r.get("metrics", {})]
+                          if r["status"] == "ok" and "val_loss_train_mode" in r["metrics"]]
             seen = ("yes" if leak == {True} else "no" if leak == {False} else "mixed" if leak else "—")
             if train_mode:
                 seen += f" (train mode {statistics.mean(train_mode):.3f})"
@@ -221,25 +226,31 @@ def lm_tables(runs: list[dict]) -> list[Table]:
              "changes (the future-leak probe); 'train mode' is the validation loss with "
              "training-mode statistics."]))
         if any(override_value(r, BATCH_KEY) is not None for r in group):
-            tables.append(batch_table(place, group, sorted({r["batch_size"] for r in group})))
+            tables.append(batch_table(place, group, sorted({r["batch_size"] for r in group
+                                                            if "batch_size" in r})))
     return tables
 
 
 def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:
-    """Pre-LN and Pre-UN at each batch size of the sweep: runs whose only changes are the
-    recipe's (batch size and the updates that keep the tokens fixed), or none."""
+    """Pre-LN and Pre-UN at each batch size of the sweep: runs that change nothing but the
+    batch and the updates that keep the training tokens (or nothing), with no accumulation
+    (the norms' statistics see the whole batch)."""
     def cell(norm: str, size: int) -> Cell:
-        return Cell([r for r in group if r.get("norm") == norm and r["norm_position"] == "pre"
-                     and all(c.startswith("recipe.") for c in changes(r)) and r["batch_size"] == size])
-    rows = [[method] + [cell(norm, size).text("val_loss") for size in sizes]
+        return Cell([r for r in group if r.get("norm") == norm and r.get("norm_position") == "pre"
+                     and r.get("accumulate") == 1 and r.get("batch_size") == size
+                     and all(c.startswith(BATCH_SWEEP_KEYS) for c in changes(r))])
+    cells = {(norm, size): cell(norm, size) for norm in ("ln", "un") for size in sizes}
+    rows = [[method] + [cells[(norm, size)].text("val_loss") for size in sizes]
             for method, norm in (("Pre-LN", "ln"), ("Pre-UN", "un"))]
-    rows.append(["UN − LN (Welch p)"] + [welch(cell("un", size).values("val_loss"),
-                                               cell("ln", size).values("val_loss")) for size in sizes])
+    rows.append(["UN − LN (Welch p)"] + [welch(cells[("un", size)].values("val_loss"),
+                                               cells[("ln", size)].values("val_loss")) for size in sizes])
+    tokens = sorted({r["metrics"]["tokens"] for c in cells.values() for r in c.runs
+                     if "tokens" in r.get("metrics", {})})
     return Table(f"Language modelling: {place[1]} {place[2]}, validation loss by batch size "
                  "(sequences per update, same training tokens)",
                  ["setting"] + [str(size) for size in sizes], rows,
-                 ["* marks p < 0.05 (Welch). The micro-batch is the batch: UN's and LN's "
-                  "statistics see the batch size in the column."])
+                 ["* marks p < 0.05 (Welch). No run accumulates: UN's and LN's statistics see the "
+                  f"batch size in the column. Training tokens per run: {', '.join(map(str, tokens))}."])
 
 
 FOLDED_VARIANTS = {"un_folded": "UN", "prepbn_folded": "PRepBN", "dyt": "DyT"}

@@ -21,7 +21,7 @@
 # stopped. $JOBS runs at a time (default: one per core), one thread each.
 #   bash scripts/reproduce_cpu.sh            # everything
 #   bash scripts/reproduce_cpu.sh lm lm_stability   # only these groups' runs
-#   bash scripts/reproduce_cpu.sh --list     # the runs, one per line: <group>/<name> <overrides>
+#   bash scripts/reproduce_cpu.sh --list [group ...]   # the runs, one per line: <group>/<name> <overrides>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -107,30 +107,41 @@ run_one() {  # <group>/<name> <overrides...>
 export -f run_one
 export PY OUT
 
-if [[ "${1:-}" == --list ]]; then
-  runs
-  exit 0
-fi
+listing=0
+if [[ "${1:-}" == --list ]]; then listing=1; shift; fi
+groups=$(runs | cut -d/ -f1 | sort -u)
+for group in "$@"; do
+  if ! grep -qx -- "$group" <<< "$groups"; then
+    echo "unknown group '$group'; the groups: $(echo $groups)" >&2
+    exit 2
+  fi
+done
 selected() {  # the runs of the groups named on the command line (all without any)
   if (( $# == 0 )); then runs; else runs | grep -E "^($(IFS='|'; echo "$*"))/"; fi
 }
+if (( listing )); then
+  selected "$@"
+  exit 0
+fi
 
 if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   threads=$(( JOBS > 1 ? 1 : $(nproc) ))
-  selected "$@" | OMP_NUM_THREADS=$threads xargs -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
+  selected "$@" | OMP_NUM_THREADS=$threads xargs -r -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
 fi
 
-# every finished run's records, replacing older records of the same run; none is deleted
+# every finished run's records replace that run's older ones; records of runs that are not
+# under $OUT (another machine's, an earlier grid's) stay
 for result in "$OUT"/*/*/result.json; do
   run=$(dirname "$result")
   dest="results/runs/cpu/$(basename "$(dirname "$run")")/$(basename "$run")"
+  rm -rf "$dest"
   mkdir -p "$dest"
   cp "$run"/result.json "$run"/config.yaml "$dest"/
   [[ -f "$run/metrics.jsonl" ]] && cp "$run"/metrics.jsonl "$dest"/  # a run that collapsed in epoch 1 has none
 done
 "$PY" scripts/make_tables.py
 "$PY" -m analysis.stability
-"$PY" -m analysis.lm_curves
+if [[ -d results/runs/cpu/lm ]]; then "$PY" -m analysis.lm_curves; fi
 [[ -d "$OUT/main" ]] || exit 0  # the figures below read the main runs' statistics and checkpoints
 for exp in $ANALYSED; do
   "$PY" scripts/analyze_run.py "$OUT/main/$exp-s0" --out "results/analysis/$exp-cpu"

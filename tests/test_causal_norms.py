@@ -86,6 +86,18 @@ def test_causal_prepbn_after_the_hand_over_is_causal_bn_plus_alpha_x():
     torch.testing.assert_close(prepbn(x), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_a_far_mean_keeps_float32_precision_when_position_0_is_all_padding():
+    """The shift comes from the first position with a valid row: left padding of every
+    sequence must not fall back to a shift of 0 (E[x^2] - E[x]^2 would cancel at mean 1000)."""
+    x = sequences().detach() + 1000
+    pad_mask = torch.zeros(B, T, dtype=torch.bool)
+    pad_mask[:, 0] = True
+    norm = unnorm.build_norm("bn", C, causal=True)
+    y = norm(x.float(), pad_mask)
+    expected = prefix_reference(x, norm.weight.double(), norm.bias.double(), norm.eps, pad_mask)
+    torch.testing.assert_close(y[:, 1:].double(), expected[:, 1:], rtol=0, atol=1e-4)
+
+
 def test_low_precision_input_keeps_float32_statistics():
     norm = unnorm.build_norm("bn", C, causal=True)
     x = sequences().detach().float()

@@ -23,7 +23,7 @@ import unnorm
 from plugins.checkpoints import UnsafeCheckpoint
 from plugins.fairseq import launcher, synthetic
 from plugins.fairseq.data import binarised_files, prepare
-from plugins.fairseq.flags import OPTIONS, norm_flags
+from plugins.fairseq.flags import NOT_IN_FAIRSEQ, OPTIONS, norm_flags
 from plugins.norms import norm_kwargs
 from plugins.scale import effective_config
 from test_vision import script_env
@@ -95,7 +95,10 @@ def update_losses(log: str) -> dict[int, tuple]:
 
 def test_a_flag_for_every_norm_option():
     every_option = set().union(*(unnorm.option_names(name) for name in unnorm.available_norms()))
-    assert set(OPTIONS) == every_option
+    assert set(OPTIONS) | set(NOT_IN_FAIRSEQ) == every_option
+    assert norm_flags("bn", {"causal": False}) == ["--norm-type", "bn"]
+    with pytest.raises(ValueError, match=r"norm.causal=True .*time-first \(T, B, C\).*llama_71m"):
+        norm_flags("bn", {"causal": True})
     assert norm_flags("un", {"window_size": 4, "warmup_iters": 4000, "outlier_filtration": False,
                              "outlier_threshold": None}) == [
         "--norm-type", "un", "--un-window", "4", "--un-warmup", "4000",

@@ -85,3 +85,14 @@ def test_online_norms_and_tied_heads_are_refused():
         fold_lm(build_lm(TINY, {"name": "ln"}).eval())
     with pytest.raises(ValueError, match="tie_word_embeddings=false"):
         fold_lm(build_lm({**TINY, "tie_word_embeddings": True}, {"name": "bn"}).eval())
+
+
+def test_a_plan_that_misses_a_norm_is_refused_before_anything_folds():
+    model = build_lm(TINY, {"name": "bn"}).eval()
+    plan = fold_plan(model)
+    del plan["model.norm"]
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"plan misses \['model.norm'\]"):
+        unnorm.fold_by_plan(model, plan)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+

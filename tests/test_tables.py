@@ -129,8 +129,8 @@ def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, p
     """A language-modelling run with a two-point validation curve in its metrics.jsonl."""
     write_run(root, name, task="language_modelling", model="llama_cpu", exp_data="lm_cpu",
               scale="cpu", norm=norm, seed=seed, norm_position=position, batch_size=batch_size,
-              overrides=[*overrides, f"seed={seed}"],
-              metrics={"val_loss": val_loss, **metrics})
+              accumulate=1, overrides=[*overrides, f"seed={seed}"],
+              metrics={"val_loss": val_loss, "tokens": 737280, **metrics})
     rows = [{"step": 1, "tokens": 1000, "val_loss": val_loss + 1.0},
             {"step": 2, "tokens": 2000, "val_loss": val_loss}]
     (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -156,6 +156,8 @@ def test_language_modelling_table_tests_each_setting_against_pre_ln(tmp_path):
                 write_lm_run(runs, f"{norm}_b{size}_{seed}", norm, seed, loss + shift,
                              overrides=[f"recipe.cpu.batch_size={size}", "recipe.cpu.max_steps=9"],
                              batch_size=size)
+    # another learning rate at the configured batch: neither a setting of the table nor the sweep's
+    write_lm_run(runs, "ln_lr", "ln", 5, 9.0, overrides=["recipe.cpu.lr=0.01"])
     markdown = make_tables(runs, tmp_path / "out")
     title = "Language modelling: llama_cpu lm_cpu, validation loss"
     p_un = stats.ttest_ind(un, ln, equal_var=False).pvalue

@@ -38,7 +38,8 @@ def reset_steps(model) -> int:
 __all__ = [
     "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "option_names",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
-    "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine", "replace_module", "record_statistics", "reset_steps",
+    "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
+    "replace_module", "record_statistics", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",

@@ -150,4 +150,3 @@ def fold_by_plan(model: nn.Module, plan: Mapping[str, Sequence[str]]) -> dict[st
     kept = sum(1 for name in unconsumed if not model.get_submodule(name).offline)
     fold_norms(model, plan)
     return {"folded": len(plan) - len(unconsumed), "affine": len(unconsumed) - kept, "kept": kept}
-

@@ -169,35 +169,39 @@ def prefix_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: f
                        sync: bool, positions: int):
     """``batch_standardize`` of batch-first sequences ``(B * T, C)``, each position t by the
     mean and biased variance of the valid rows at positions ``<= t`` of every sequence (of
-    every replica with ``sync``). The returned ``mean``, ``var`` and ``count`` are the whole
-    batch's (position T-1's), for the running statistics.
+    every replica with ``sync``; every replica's sequences must have the same T). The returned
+    ``mean``, ``var`` and ``count`` are the whole batch's (position T-1's), for the running
+    statistics.
 
-    Sums are cumulative over positions, taken about a detached shift (position 0's mean) so
-    that E[x^2] - E[x]^2 keeps float32's precision; the shift cancels exactly in value.
+    Sums are cumulative over positions, taken about a detached shift (the mean of the first
+    position that has a valid row, so still causal) so that E[x^2] - E[x]^2 keeps float32's
+    precision when the mean is far from zero; the shift cancels exactly in value.
     """
-    seqs = rows.reshape(-1, positions, rows.shape[1])
+    shape = (-1, positions, rows.shape[1])
     if valid is None:
         weight = torch.ones(1, positions, 1, dtype=rows.dtype, device=rows.device).expand(
-            seqs.shape[0], -1, -1)
+            rows.shape[0] // positions, -1, -1)
+        seqs = rows.reshape(shape)
     else:
         weight = valid.reshape(-1, positions, 1).to(rows.dtype)
-        seqs = zero_padding(rows, valid).reshape(seqs.shape)
-    first = torch.stack([(seqs[:, 0] * weight[:, 0]).sum(dim=0).detach(), weight[:, 0].sum(dim=0)
-                         .expand(rows.shape[1]).detach()])
+        seqs = zero_padding(rows, valid).reshape(shape)
+    position_sum, position_count = seqs.detach().sum(dim=0), weight.sum(dim=0)  # (T, C), (T, 1)
     if sync:
-        (first,) = sum_over_replicas(first)
-    shift = first[0] / first[1].clamp_min(1)
+        position_sum, position_count = sum_over_replicas(position_sum, position_count)
+    first = (position_count[:, 0] > 0).int().argmax()  # 0 when nothing is valid
+    shift = position_sum[first] / position_count[first].clamp_min(1)
     centred = (seqs - shift) * weight
-    sums = [centred.sum(dim=0), centred.square().sum(dim=0), weight.sum(dim=0)]  # (T, C|1)
+    sums = [centred.sum(dim=0), centred.square().sum(dim=0)]  # (T, C) each
     if sync:
         sums = sum_over_replicas(*sums, differentiable=True)
-    total, total_sq, count = (s.cumsum(dim=0) for s in sums)
+    total, total_sq = (part.cumsum(dim=0) for part in sums)
+    count = position_count.cumsum(dim=0)
     mean = total / count.clamp_min(1)
     var = (total_sq / count.clamp_min(1) - mean.square()).clamp_min(0)
     inv_std = torch.rsqrt(var + eps)
     z = (seqs - shift - mean) * inv_std
     if valid is not None:  # padded rows are standardised, but add no gradient to statistics
-        raw = rows.reshape(seqs.shape)
+        raw = rows.reshape(shape)
         z = torch.where(weight.bool(), z, (raw - shift - mean.detach()) * inv_std.detach())
     return (z.reshape(rows.shape), (shift + mean[-1]).detach(), var[-1].detach(),
             count[-1].detach())

@@ -42,6 +42,15 @@ OPTIONS = {
 }
 
 
+#: unnorm options fairseq's layers cannot honour: refused when set, otherwise left out.
+#: ``causal`` needs batch-first (B, T, C) input; fairseq's layers pass time-first (T, B, C)
+#: and its encoder is not causal
+NOT_IN_FAIRSEQ = {"causal": "the causal option of BN/PRepBN needs batch-first (B, T, C) input, "
+                            "and fairseq's layers pass time-first (T, B, C) (its encoder is not "
+                            "causal either); use it in the language-modelling decoder "
+                            "(+exp=llama_71m_<norm>)"}
+
+
 def dest(option: str) -> str:
     """The attribute argparse stores ``option``'s flag under (``un_window``)."""
     return OPTIONS[option][0][2:].replace("-", "_")
@@ -49,11 +58,14 @@ def dest(option: str) -> str:
 
 def norm_flags(name: str, options: dict) -> list[str]:
     """``--norm-type NAME`` and a flag per option that is set (None = the norm's default)."""
-    unknown = sorted(set(options) - set(OPTIONS))
+    unknown = sorted(set(options) - set(OPTIONS) - set(NOT_IN_FAIRSEQ))
     if unknown:
         raise ValueError(f"no fairseq flag for norm option(s) {', '.join(unknown)}")
+    for option, why in NOT_IN_FAIRSEQ.items():
+        if options.get(option):
+            raise ValueError(f"norm.{option}={options[option]} is not available in translation: {why}")
     flags = ["--norm-type", name]
     for option, value in options.items():
-        if value is not None:
+        if value is not None and option not in NOT_IN_FAIRSEQ:
             flags += [OPTIONS[option][0], str(value).lower() if isinstance(value, bool) else str(value)]
     return flags
