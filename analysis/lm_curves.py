@@ -39,18 +39,25 @@ def curves(runs: list[dict]) -> dict[tuple, dict[str, dict[int, list[float]]]]:
 
 
 def plot_curves(settings: dict[str, dict[int, list[float]]], title: str, path: Path) -> Path:
-    """Mean validation loss over seeds against training tokens, one line per setting."""
+    """Mean validation loss over seeds against training tokens, one line per setting. The
+    axis ends 1 nat above the worst final loss: an early evaluation far above it (BN's running
+    statistics before they settle reach 1e9 nats) leaves the axis instead of flattening it."""
     fig = Figure(figsize=(7.5, 4.8))
     ax = fig.add_subplot()
+    finals, lows = [], []
     for index, label in enumerate(sorted(settings, key=method_order)):
         tokens = sorted(settings[label])
         seeds = len(settings[label][tokens[-1]])
-        ax.plot([t / 1e6 for t in tokens], [statistics.mean(settings[label][t]) for t in tokens],
-                marker="o", markersize=3, color=f"C{index % 10}",
+        means = [statistics.mean(settings[label][t]) for t in tokens]
+        finals.append(means[-1])
+        lows.append(min(means))
+        ax.plot([t / 1e6 for t in tokens], means, marker="o", markersize=3, color=f"C{index % 10}",
                 linestyle="-" if index < 10 else "--", label=f"{label} (n={seeds})")
+    ax.set_ylim(min(lows) - 0.2, max(finals) + 1.0)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation loss (nats), mean over seeds")
-    ax.set_title(f"{title}\nlast point: the whole validation set; earlier: its first part", fontsize=9)
+    ax.set_title(f"{title}\nlast point: the whole validation set; earlier: its first part; "
+                 "lines leaving the top are off scale", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return save_figure(fig, path)
