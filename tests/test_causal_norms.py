@@ -31,6 +31,9 @@ def prefix_reference(x, weight, bias, eps, pad_mask=None):
     for t in range(T):
         rows = x[:, :t + 1].reshape(-1, C)
         valid = rows if pad_mask is None else rows[~pad_mask[:, :t + 1].reshape(-1)]
+        if not len(valid):  # a prefix of padding only: nothing to compare there
+            outputs.append(torch.full_like(x[:, t], float("nan")))
+            continue
         mean, var = valid.mean(dim=0), valid.var(dim=0, unbiased=False)
         outputs.append((x[:, t] - mean) / torch.sqrt(var + eps) * weight + bias)
     return torch.stack(outputs, dim=1)
