@@ -92,7 +92,7 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
-                                                self._positions if self.causal else None)
+                                                self._positions)
         if self._recording:
             self._tap.record_act(var)
         z = self._watch_grad(z, valid)

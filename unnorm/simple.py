@@ -69,9 +69,10 @@ class CausalStatistics:
     """
 
     causal: bool = False
-    _positions: Optional[int] = None  # T of the input being normalised, when causal
+    _positions: Optional[int] = None  # T of the input being normalised when causal, else None
 
     def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._positions = None
         if self.causal:
             if x.dim() != 3:
                 raise ValueError(f"{type(self).__name__}(causal=True) needs batch-first sequences "
@@ -109,7 +110,7 @@ class BatchNorm(CausalStatistics, GuardedNorm):
             return torch.addcmul(shift, rows, scale)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
-                                                self._positions if self.causal else None)
+                                                self._positions)
         state = running_statistics(self, mean, var, count)
         if self._recording:
             self._tap.record_act(var)

@@ -15,14 +15,15 @@ import unnorm
 
 from .model import PlacedDecoderLayer
 
-#: a layer site's linear readers, relative to the layer; sites not listed feed the stream
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+#: per layer placement, the norm sites read only by linear layers (relative to the layer);
+#: every other site feeds the residual stream
 SITE_READERS = {
-    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "pre_feedforward_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    "pre": {"input_layernorm": _QKV, "post_attention_layernorm": _GATE_UP},
+    "peri": {"input_layernorm": _QKV, "pre_feedforward_layernorm": _GATE_UP},
+    "post": {},
 }
-#: Pre-LN's post_attention_layernorm is the MLP's input norm; in Peri-LN and Post-LN it
-#: normalises the attention's output or the stream
-MLP_INPUT_SITE = {"pre": "post_attention_layernorm", "peri": "pre_feedforward_layernorm"}
 
 
 def fold_plan(model: nn.Module) -> dict[str, list[str]]:
@@ -36,8 +37,7 @@ def fold_plan(model: nn.Module) -> dict[str, list[str]]:
         for name, module in layer.named_children():
             if not isinstance(module, unnorm.ChannelNorm):
                 continue
-            site = "pre_feedforward_layernorm" if name == MLP_INPUT_SITE.get(layer.placement) else name
-            readers = SITE_READERS.get(site, ()) if layer.placement != "post" else ()
+            readers = SITE_READERS[layer.placement].get(name, ())
             plan[f"{prefix}.{name}"] = [f"{prefix}.{reader}" for reader in readers]
     if isinstance(model.model.norm, unnorm.ChannelNorm):
         plan["model.norm"] = ["lm_head"]
