@@ -37,12 +37,17 @@ class EpochLoop:
     """One run's training loop. ``parts`` are further stateful parts to checkpoint by name
     (an EMA model); ``replicas`` are the modules whose norm state is made one across the
     replicas (``norm_sync``) before every evaluation and save (default: ``model``);
-    ``stats_module`` is what ``record_statistics=true`` taps (default: ``model``)."""
+    ``stats_module`` is what ``record_statistics=true`` taps (default: ``model``).
+    ``scheduler`` is a timm scheduler stepped per optimizer update (``step_on_epochs=False``):
+    warm-ups at CPU scale last about an epoch, which a per-epoch schedule would make one jump."""
 
     def __init__(self, cfg: DictConfig, out_dir: Path, world: Distributed, run: RunDirectory,
                  model: nn.Module, optimizer, scheduler, scaler, *,
                  replicas: Sequence[nn.Module] = (), stats_module: Optional[nn.Module] = None,
                  **parts):
+        if getattr(scheduler, "t_in_epochs", False):
+            raise ValueError("the training loop steps the learning rate per optimizer update; "
+                             "build the scheduler with create_scheduler_v2(..., step_on_epochs=False)")
         self.cfg, self.out_dir, self.world, self.run = cfg, Path(out_dir), world, run
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.replicas = list(replicas) or [model]
@@ -94,7 +99,7 @@ class EpochLoop:
                 progress = tqdm(loader, total=steps_per_epoch * accumulate,
                                 disable=None if world.main else True,
                                 desc=f"epoch {epoch + 1}/{epochs}", leave=False)
-                started, stats_chunks = time.time(), []
+                started, stats_chunks, lrs = time.time(), [], []
                 loss_sums: dict[str, torch.Tensor] = {}
                 for micro_batches in _updates(progress, steps_per_epoch, accumulate):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -108,6 +113,7 @@ class EpochLoop:
                             backward(loss / accumulate, self.scaler)
                         for name, value in {"loss": loss, **parts}.items():
                             update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
+                    lrs.append(self.optimizer.param_groups[0]["lr"])  # a float: no device read
                     optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
                     step += 1
                     self.scheduler.step_update(num_updates=step)
@@ -123,7 +129,6 @@ class EpochLoop:
                             progress.set_postfix(loss=f"{detector.last_loss:.3f}",
                                                  lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
                 detector.check()
-                self.scheduler.step(epoch + 1)  # per-epoch schedules; a no-op for per-update ones
                 for module in self.replicas:  # one norm state: what is scored is what is saved
                     unnorm.distribute_norm_state(module, cfg.norm_sync)
                 means = {name: world.mean(total).item() / steps_per_epoch
@@ -132,7 +137,7 @@ class EpochLoop:
                            "lr": self.optimizer.param_groups[0]["lr"],
                            **{f"train_{name}": value for name, value in means.items()},
                            "epoch_time_s": time.time() - started, **evaluate(epoch)}
-                self.run.log(**metrics)
+                self.run.log(**metrics, lr_per_update=lrs)  # the rate each update used
                 logger.log(metrics, step=step)
                 if recorder is not None:
                     stats_chunks.append(recorder.flush())

@@ -2,7 +2,8 @@
 
 Each run owns a directory with the resolved ``config.yaml``, ``metrics.jsonl`` (one JSON
 object per logged step or epoch) and ``result.json`` (final metrics and status, ``ok`` or
-``FAIL`` with the step and reason). Training paths of every framework share this format,
+``FAIL`` with the step and reason, or ``chance`` when the final headline metric is no better
+than what learning nothing gives, ``chance_rule``). Training paths of every framework share this format,
 so ``scripts/make_tables.py`` reads them all alike.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
+FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 
 
 def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
@@ -151,6 +153,11 @@ class RunDirectory:
 
     def write_result(self, *, status: str, metrics: dict, meta: dict,
                      fail: Optional[TrainingCollapsed] = None) -> dict:
+        if status == "ok" and at_chance(metrics, meta.get("chance")):
+            status = "chance"
+            if self.writer:
+                print(f"chance: {meta['chance']['metric']} {metrics[meta['chance']['metric']]:.4g} "
+                      f"is no better than learning nothing ({meta['chance']['rule']})")
         result = {"status": status, **meta, "metrics": metrics,
                   "fail_step": fail.step if fail else None,
                   "fail_reason": fail.reason if fail else None,
@@ -161,6 +168,26 @@ class RunDirectory:
             tmp.write_text(json.dumps(result, indent=2))
             os.replace(tmp, self.result_path)
         return result
+
+
+def chance_rule(metric: str, threshold: float, rule: str, lower_is_better: bool = False) -> dict:
+    """``result.json``'s ``chance`` entry (pass it to ``run_meta``): a run whose final
+    ``metric`` is at or beyond ``threshold`` (``rule`` says how that was set) learned nothing
+    and ends with status ``chance``, shown apart from the mean of the runs that learned."""
+    return {"metric": metric, "threshold": float(threshold), "lower_is_better": lower_is_better,
+            "rule": rule}
+
+
+DETECTION_CHANCE = chance_rule("bbox_AP", 1.0, "box AP <= 1 (a detector that learned nothing scores 0)")
+TRANSLATION_CHANCE = chance_rule("bleu", 1.0, "BLEU <= 1 (a model that learned nothing scores about 0)")
+
+
+def at_chance(metrics: dict, chance: Optional[dict]) -> bool:
+    """Whether ``metrics`` is no better than the ``chance_rule`` entry ``chance``."""
+    if not chance or chance["metric"] not in metrics:
+        return False
+    value = metrics[chance["metric"]]
+    return value >= chance["threshold"] if chance["lower_is_better"] else value <= chance["threshold"]
 
 
 def rejected_steps(state_dict: dict) -> dict:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The CPU-scale mini-reproduction on the project's small data, three seeds per cell:
+# The CPU-scale mini-reproduction on the project's small data: five seeds for every norm at the
+# recipe's learning rate on each task (main, translation, detection, lm), three for the probes:
 #   main        every norm x {Swin-T, T2T-ViT} on the embedded digits
 #   translation every norm on the synthetic corpus (fairseq); UN with the pad mask, and LN
 #               and DyT trained three times as long (probes of UN's and DyT's deficits)
@@ -8,7 +9,7 @@
 #   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
 #   old_rule    UN, MABN, PN, PN_LS under the previous CPU rule (warm-up 40, compensation 1000)
 #   stability   every norm (and UN without outlier filtration) on T2T-ViT at 3x, 10x and 30x
-#               the recipe's learning rate, two seeds (1x: the main runs)
+#               the recipe's learning rate (1x: the main runs)
 #   lm          the Llama-style decoder: every norm in Pre placement, LN in Post, Peri and Mix
 #   lm_stability  Pre-/Post-/Peri-/Mix-LN, RMSNorm, UN, DyT and NoNorm at 3x and 10x the
 #               learning rate, two seeds (1x: the lm runs)
@@ -30,18 +31,23 @@ JOBS=${JOBS:-$(nproc)}
 NORMS="ln rms bn mabn pn pn_ls nonorm un dyt prepbn"
 ANALYSED="swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln"  # statistics recorded (seed 0)
 
+MAIN_SEEDS="0 1 2 3 4"     # every norm at 1x on each task: the paper's count for IWSLT14
+PROBE_SEEDS="0 1 2"        # sweeps, ablations, probes and the stability ladder
+
 runs() {  # one line per run: <group>/<name> <overrides...>
-  for seed in 0 1 2; do  # detection first: the longest runs
+  for seed in $MAIN_SEEDS; do  # detection first: the longest runs
     for norm in ln bn un; do
       echo "detection/mask_rcnn_swin_t_${norm}-s$seed +exp=mask_rcnn_swin_t_$norm seed=$seed"; done
   done
-  for seed in 0 1 2; do
+  for seed in $MAIN_SEEDS; do
     for model in swin_t t2t_vit_14; do for norm in $NORMS; do
       extra=""
       [[ $seed == 0 && " $ANALYSED " == *" ${model}_$norm "* ]] && extra="record_statistics=true"
       echo "main/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed${extra:+ $extra}"; done; done
     for norm in $NORMS; do
       echo "translation/iwslt14_$norm-s$seed +exp=iwslt14_$norm seed=$seed"; done
+  done
+  for seed in $PROBE_SEEDS; do
     echo "translation/iwslt14_un-padmask-s$seed +exp=iwslt14_un model.norm_pad_mask=true seed=$seed"
     for norm in ln dyt; do
       echo "translation/iwslt14_$norm-3x-s$seed +exp=iwslt14_$norm recipe.train.max_update=1008 recipe.train.max_epoch=24 seed=$seed"; done
@@ -63,19 +69,21 @@ runs() {  # one line per run: <group>/<name> <overrides...>
       for norm in pn pn_ls; do
         echo "old_rule/${model}_$norm-s$seed +exp=${model}_$norm norm.warmup_iters=40 seed=$seed"; done
     done
+    for lr in 3 10 30; do
+      for norm in $NORMS; do
+        echo "stability/t2t_vit_14_$norm-lr${lr}x-s$seed +exp=t2t_vit_14_$norm lr_multiple=$lr seed=$seed"; done
+      echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
+    done
   done
-  for seed in 0 1; do for lr in 3 10 30; do
-    for norm in $NORMS; do
-      echo "stability/t2t_vit_14_$norm-lr${lr}x-s$seed +exp=t2t_vit_14_$norm lr_multiple=$lr seed=$seed"; done
-    echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
-  done; done
   lm_runs
 }
 
 lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
-  for seed in 0 1 2; do
+  for seed in $MAIN_SEEDS; do
     for norm in $NORMS; do
       echo "lm/llama_cpu_$norm-s$seed +exp=llama_71m_$norm seed=$seed"; done
+  done
+  for seed in $PROBE_SEEDS; do
     for position in post peri mix; do
       echo "lm/llama_cpu_ln-$position-s$seed +exp=llama_71m_ln model.norm_position=$position seed=$seed"; done
   done
@@ -126,7 +134,9 @@ fi
 
 if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   threads=$(( JOBS > 1 ? 1 : $(nproc) ))
+  started=$SECONDS
   selected "$@" | OMP_NUM_THREADS=$threads xargs -r -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
+  echo "trained $(selected "$@" | wc -l) runs (finished ones skipped) in $(( (SECONDS - started) / 60 )) min, $JOBS at a time"
 fi
 
 # every finished run's records replace that run's older ones; records of runs that are not

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from plugins.lm.data import prepare_tokens
 from plugins.lm.leak import future_leak
 from plugins.lm.model import build_lm
 from plugins.lm.trainer import train
+from plugins.runlog import FINISHED
 from test_lm_data import tiny_corpus, tiny_documents
 from test_vision import config
 
@@ -39,7 +42,7 @@ def test_a_short_run_records_what_it_trained(norm, corpus_root, tmp_path):
                  f"data.root={corpus_root}",
                  *TINY_MODEL, *TINY_RECIPE, "norm.warmup_iters=2" if norm == "un" else "seed=0")
     result = train(cfg, tmp_path / "run")
-    assert result["status"] == "ok" and result["task"] == "language_modelling", result
+    assert result["status"] in FINISHED and result["task"] == "language_modelling", result
     assert result["steps"] == 4 and result["accumulate"] == 2 and result["norm_position"] == "pre"
     assert result["corpus"]["tokenizer"]["vocab_size"] == 300 and result["corpus"]["name"] == "tiny"
     metrics = result["metrics"]
@@ -52,6 +55,18 @@ def test_a_short_run_records_what_it_trained(norm, corpus_root, tmp_path):
     counters = [int(v) for k, v in state.items() if k.endswith("num_iters")]
     assert counters == ([8] * len(counters) if norm == "un" else [])
     assert norm == "ln" or len(counters) == 2 * 2 + 1  # two sites per layer and the final norm
+    # chance: the loss of the training tokens' add-one unigram on the 512 validation targets
+    meta = json.loads((corpus_root / "meta.json").read_text())
+    tokens = {split: np.concatenate([np.fromfile(corpus_root / f, dtype=meta["dtype"])
+                                     for f in meta["splits"][split]["files"]])
+              for split in ("train", "validation")}
+    counts = Counter(tokens["train"].tolist())
+    windows = [tokens["validation"][i * 16 + 1:(i + 1) * 16 + 1] for i in range(512 // 16)]
+    targets = np.concatenate(windows) if len(meta["splits"]["validation"]["files"]) == 1 else None
+    assert targets is not None, "the expectation reads one validation shard"
+    unigram = -np.mean([math.log((counts[t] + 1) / (len(tokens["train"]) + 300)) for t in targets])
+    assert result["chance"]["threshold"] == pytest.approx(unigram, rel=1e-9)
+    assert result["status"] == ("chance" if metrics["val_loss"] >= unigram else "ok")
 
 
 @pytest.mark.parametrize("norm", ["bn", "pn", "mabn", "prepbn", "un"])

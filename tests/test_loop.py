@@ -2,6 +2,7 @@
 large batch, and the norms counting micro-batches."""
 from __future__ import annotations
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from timm.scheduler import create_scheduler_v2
@@ -61,3 +62,13 @@ def test_norms_count_micro_batches_under_accumulation(tmp_path):
     model, result = _train(tmp_path, "un", batch=8, accumulate=3, updates=2)
     assert result["status"] == "ok" and result["steps"] == 2
     assert int(model[1].num_iters) == 6
+
+
+def test_a_per_epoch_schedule_is_refused(tmp_path):
+    """The loop steps the rate per update; a schedule stepped per epoch would stay flat
+    through a one-epoch warm-up, so it is refused with the fix."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=2, warmup_epochs=1)
+    with pytest.raises(ValueError, match="step_on_epochs=False"):
+        EpochLoop(_cfg(), tmp_path, Distributed("cpu"), RunDirectory(tmp_path),
+                  torch.nn.Linear(2, 2), optimizer, scheduler, None)

@@ -44,8 +44,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from plugins.norms import fit_norm_to_run, norm_kwargs
-from plugins.runlog import (METRICS_FILE, CollapseDetector, RunDirectory, TrainingCollapsed,
-                            record_collapse, rejected_steps, run_logger, run_meta)
+from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, RunDirectory,
+                            TrainingCollapsed, record_collapse, rejected_steps, run_logger,
+                            run_meta)
 from plugins.scale import command_line_values, effective_config, norm_steps_per_update
 
 from .checkpoints import REFUSALS
@@ -359,7 +360,8 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
     meta = {**meta, **run_meta(cfg, "translation", world, run.path,
                                norm_pad_mask=bool(cfg.model.norm_pad_mask),
                                init=cfg.init_from or "scratch",
-                               update_freq=cfg.recipe.train.update_freq)}
+                               update_freq=cfg.recipe.train.update_freq,
+                               chance=TRANSLATION_CHANCE)}
     print(f"{cfg.exp_name}: fairseq {cfg.model.arch} with {cfg.norm.name} on {cfg.data.name} "
           f"(scale {cfg.scale.name}, {world} {device} process(es), update_freq "
           f"{cfg.recipe.train.update_freq}{', resuming' if resumed else ''}); log: {run.path / 'train.log'}")

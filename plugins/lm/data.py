@@ -387,6 +387,23 @@ class TokenWindows(torch.utils.data.Dataset):
         return {**self.__dict__, "_maps": None}  # a worker maps the files itself
 
 
+def unigram_loss(train: TokenWindows, valid: torch.utils.data.Dataset, vocab_size: int,
+                 max_train_tokens: int = 1 << 26) -> float:
+    """The loss on ``valid``'s targets of the unigram model of ``train`` (token frequencies
+    of its first ``max_train_tokens``, add-one smoothed): what a model that learned no context
+    scores, the language model's chance level."""
+    counts, left = np.ones(vocab_size), max_train_tokens
+    for path in train.files:
+        tokens = np.memmap(path, dtype=train.dtype, mode="r")[:left]
+        counts += np.bincount(tokens, minlength=vocab_size)
+        left -= len(tokens)
+        if left <= 0:
+            break
+    log_p = np.log(counts / counts.sum())
+    targets = torch.cat([valid[i][1] for i in range(len(valid))]).numpy()
+    return float(-log_p[targets].mean())
+
+
 @dataclass(frozen=True)
 class PreparedCorpus:
     """A prepared directory: its token splits as windows, and what a run records about it."""

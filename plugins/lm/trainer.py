@@ -19,12 +19,12 @@ from omegaconf import DictConfig
 from timm.scheduler import create_scheduler_v2
 
 from plugins.loop import CHECKPOINT, EpochLoop
-from plugins.runlog import run_meta
+from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
                               load_weights, run_task)
 
-from .data import prepare_corpus
+from .data import prepare_corpus, unigram_loss
 from .leak import future_leak, training_copy
 from .model import build_lm
 
@@ -143,5 +143,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         meta={**meta, **run_meta(cfg, "language_modelling", world.world, out_dir,
                                  norm_position=cfg.model.norm_position, corpus=corpus.record(),
                                  batch_size=recipe.batch_size, context=context,
-                                 accumulate=accumulate)},
+                                 accumulate=accumulate, chance=chance_rule(
+                                     "val_loss", unigram_loss(train_set, val_set, corpus.vocab_size),
+                                     "validation loss >= the unigram model's (training-token "
+                                     "frequencies, no context)", lower_is_better=True))},
         init=init)

@@ -52,8 +52,8 @@ from timm.optim import create_optimizer_v2
 import unnorm
 from plugins.checkpoints import load_checkpoint
 from plugins.norms import norm_kwargs
-from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
-                            rejected_steps, run_logger, run_meta, save_atomic)
+from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
+                            record_collapse, rejected_steps, run_logger, run_meta, save_atomic)
 from plugins.training import (Distributed, begin_run, per_replica_buffers, read_checkpoint,
                               require_init, run_task)
 
@@ -330,7 +330,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     if world.main:
         mm.dump(str(out_dir / "mmdet_config.py"))
     meta = {**meta, **run_meta(cfg, "detection", world.world, out_dir, epochs=cfg.recipe.epochs,
-                               init=init, backend="mmdet")}
+                               init=init, backend="mmdet", chance=DETECTION_CHANCE)}
     runner = UnnormRunner.from_cfg(mm)
     logger = run_logger(cfg, out_dir, enabled=world.main)
     hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger)

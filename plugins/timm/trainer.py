@@ -19,7 +19,7 @@ from timm.utils import ModelEmaV3, accuracy
 from torch import nn
 
 from plugins.loop import CHECKPOINT, EpochLoop
-from plugins.runlog import run_meta
+from plugins.runlog import chance_rule, run_meta
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
                               load_weights, require_init, run_task)
 
@@ -99,9 +99,12 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     optimizer = create_optimizer_v2(
         _param_groups(model, recipe.weight_decay, recipe.backbone_lr_ratio), opt=recipe.opt,
         lr=lr, weight_decay=recipe.weight_decay, momentum=recipe.momentum)
+    # per optimizer update, as Swin's release: stepped per epoch, a one-epoch warm-up (CPU
+    # scale) would be one jump from warmup_lr to the peak
     scheduler, epochs = create_scheduler_v2(
         optimizer, sched=recipe.sched, num_epochs=recipe.epochs, warmup_epochs=recipe.warmup_epochs,
-        warmup_lr=recipe.warmup_lr, min_lr=recipe.min_lr, updates_per_epoch=steps_per_epoch)
+        warmup_lr=recipe.warmup_lr, min_lr=recipe.min_lr, updates_per_epoch=steps_per_epoch,
+        step_on_epochs=False)
     mixup = (Mixup(**OmegaConf.to_container(recipe.mixup), label_smoothing=recipe.label_smoothing, num_classes=num_classes)
              if recipe.mixup else None)
     if mixup:
@@ -139,5 +142,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         net, train_set, batch, sampler, steps_per_epoch, epochs, forward=forward, evaluate=scores,
         after_update=(lambda step: ema.update(model, step=step)) if ema is not None else None,
         summary=lambda m: f"top1 {m['top1']:.2f}" + (f" (ema {m['top1_ema']:.2f})" if ema else ""),
-        meta={**meta, **run_meta(cfg, "classification", world.world, out_dir)}, init=init,
+        meta={**meta, **run_meta(cfg, "classification", world.world, out_dir, chance=chance_rule(
+            "top1", 1.5 * 100 / num_classes, "top-1 <= 1.5 x 100/classes"))}, init=init,
         clip_grad=recipe.clip_grad)

@@ -17,7 +17,7 @@ from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 
 from plugins.loop import CHECKPOINT, EpochLoop
-from plugins.runlog import run_meta
+from plugins.runlog import DETECTION_CHANCE, run_meta
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
                               load_weights, require_init, run_task)
 
@@ -118,5 +118,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     return loop.fit(
         net, train_set, batch, sampler, steps_per_epoch, epochs, forward=forward, evaluate=scores,
         summary=lambda m: " ".join(f"{k} {m[k]:.2f}" for k in ("bbox_AP", "segm_AP") if k in m),
-        meta={**meta, **run_meta(cfg, "detection", world.world, out_dir, backend="torchvision")},
+        meta={**meta, **run_meta(cfg, "detection", world.world, out_dir, backend="torchvision",
+                                 chance=DETECTION_CHANCE)},
         init=init, collate_fn=collate, clip_grad=recipe.clip_grad)
