@@ -22,7 +22,8 @@ LOWER_IS_BETTER = {"val_loss"}
 #: Llama placements (model.norm_position) as the papers name them with their norm
 PLACEMENT_NAMES = {"pre": "Pre", "post": "Post", "peri": "Peri", "mix": "Mix"}
 # overrides that say how a run was made, not what was trained
-RUN_MECHANICS = ("exp", "scale", "logger", "record_statistics", "seed", "device", "resume", "hydra")
+RUN_MECHANICS = ("exp", "scale", "logger", "record_statistics", "record_gns", "seed", "device", "resume",
+                 "hydra")
 
 
 def load_runs(root: Path) -> list[dict]:

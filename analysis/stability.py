@@ -1,12 +1,12 @@
 """The stability map as a figure: the final metric against the learning-rate multiple, one line
-per setting, collapsed runs marked.
+per setting, collapsed runs and runs that finished at chance marked.
 
     python -m analysis.stability [--runs results/runs] [--out results/analysis/stability]
 
 Reads the runs of the learning-rate ladder (``+sweep=stability``: ``lr_multiple`` set; the
 same settings' runs without it count at 1x) and writes, per model, ``<model>_<data>.png`` and
-``.json`` (per setting and multiple: the metric of every run that finished and the step of
-every collapse).
+``.json`` (per setting and multiple: the metric of every run that learned, of every run that
+finished at chance, and the step of every collapse).
 """
 from __future__ import annotations
 
@@ -22,16 +22,19 @@ from .runs import (LOWER_IS_BETTER, STABILITY_KEY, TASK_METRIC, figure_args, lad
 
 
 def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
-    """``{"ok": [metric of each run that finished], "fail": [step of each collapse]}``."""
-    return {"ok": [r["metrics"][metric] for r in runs if r["status"] != "FAIL"],
+    """``{"ok": [metric of each run that learned], "chance": [metric of each run that finished
+    no better than chance], "fail": [step of each collapse]}``."""
+    return {"ok": [r["metrics"][metric] for r in runs if r["status"] == "ok"],
+            "chance": [r["metrics"][metric] for r in runs if r["status"] == "chance"],
             "fail": [r["fail_step"] for r in runs if r["status"] == "FAIL"]}
 
 
 def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, metric: str,
                    path: Path) -> Path:
-    """Mean metric of the runs that finished (line) per multiple; an x at the worst edge (the
-    bottom, or the top where lower is better) marks each multiple where runs collapsed,
-    labelled with the collapsed fraction."""
+    """Mean metric of the runs that learned (line) per multiple; hollow circles mark runs that
+    finished at chance (at their metric); an x at the worst edge (the bottom, or the top where
+    lower is better) marks each multiple where runs collapsed, labelled with the collapsed
+    fraction."""
     fig = Figure(figsize=(7.5, 4.8))
     ax = fig.add_subplot()
     colours = [f"C{i}" for i in range(10)]
@@ -45,7 +48,11 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
         if finished:
             ax.plot(*zip(*finished), marker="o", color=colour, label=label)
         for m in multiples:
-            failed, total = len(cells[m]["fail"]), len(cells[m]["fail"]) + len(cells[m]["ok"])
+            chance = cells[m]["chance"]
+            if chance:
+                ax.scatter([m] * len(chance), chance, marker="o", s=40, facecolors="none",
+                           edgecolors=colour, zorder=3)
+            failed, total = len(cells[m]["fail"]), sum(len(values) for values in cells[m].values())
             if failed:
                 ax.scatter([m], [edge], marker="x", s=70, color=colour, zorder=3,
                            transform=at_edge, clip_on=False)
@@ -54,10 +61,10 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
                             xytext=(4, (4 + 9 * index) * (-1 if edge else 1)))
     ax.set_xscale("log")
     ax.set_xlabel("learning rate, multiple of the recipe's")
-    ax.set_ylabel(f"{metric} (mean of the runs that finished)")
+    ax.set_ylabel(f"{metric} (mean of the runs that learned)")
     where = "top" if edge else "bottom"
-    ax.set_title(f"{title}\nx at the {where}: collapsed runs (FAIL), with the fraction of seeds",
-                 fontsize=9)
+    ax.set_title(f"{title}\nhollow: runs at chance; x at the {where}: collapsed runs (FAIL), "
+                 "with the fraction of seeds", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return save_figure(fig, path)

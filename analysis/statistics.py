@@ -22,16 +22,18 @@ PathLike = Union[str, Path]
 OUTLIER_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
-def epoch_files(run_dir: PathLike) -> list[Path]:
-    """The run's ``stats/epoch_*.pt`` in epoch order; fails with the fix when there are none."""
-    stats_dir = Path(run_dir) / "stats"
+def epoch_files(run_dir: PathLike, folder: str = "stats",
+                option: str = "record_statistics") -> list[Path]:
+    """The run's ``<folder>/epoch_*.pt`` in epoch order; fails with the fix (train with
+    ``<option>=true``) when there are none."""
+    stats_dir = Path(run_dir) / folder
     pattern = re.compile(r"epoch_(\d+)\.pt")
     files = sorted((p for p in stats_dir.glob("epoch_*.pt") if pattern.fullmatch(p.name)),
                    key=lambda p: int(pattern.fullmatch(p.name).group(1)))
     if not files:
         raise FileNotFoundError(
             f"{run_dir} has no recorded statistics ({stats_dir}/epoch_*.pt): rerun with "
-            "record_statistics=true, e.g. python scripts/train.py +exp=<exp> record_statistics=true")
+            f"{option}=true, e.g. python scripts/train.py +exp=<exp> {option}=true")
     return files
 
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 import unnorm
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
                             rejected_steps, run_logger)
-from plugins.training import (Checkpointer, Distributed, backward, optimizer_step,
+from plugins.training import (Checkpointer, Distributed, backward, optimizer_step, save_gns,
                               save_statistics)
 
 CHECKPOINT = "last.pt"
@@ -37,7 +37,8 @@ class EpochLoop:
     """One run's training loop. ``parts`` are further stateful parts to checkpoint by name
     (an EMA model); ``replicas`` are the modules whose norm state is made one across the
     replicas (``norm_sync``) before every evaluation and save (default: ``model``);
-    ``stats_module`` is what ``record_statistics=true`` taps (default: ``model``).
+    ``stats_module`` is what ``record_statistics=true`` and ``record_gns=true`` tap (default:
+    ``model``).
     ``scheduler`` is a timm scheduler stepped per optimizer update (``step_on_epochs=False``):
     warm-ups at CPU scale last about an epoch, which a per-epoch schedule would make one jump."""
 
@@ -84,10 +85,15 @@ class EpochLoop:
         loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
                        "persistent_workers": cfg.scale.num_workers > 0, "collate_fn": collate_fn}
         logger = run_logger(cfg, self.out_dir, enabled=world.main)
-        recorder = unnorm.record_statistics(self.stats_module) if cfg.record_statistics else None
         detector, step = self.detector, self.step
         metrics: dict = {}
+        taps: dict = {}
         try:
+            if cfg.record_statistics:
+                taps["stats"] = unnorm.record_statistics(self.stats_module)
+            if cfg.record_gns:  # our trainers' norms see batch-first input: examples on axis 0
+                taps["gns"] = unnorm.record_gns(self.stats_module, example_dim=0,
+                                                loss_multiplier=1 / accumulate)
             for epoch in range(self.start_epoch, epochs):
                 net.train()
                 if sampler is not None:
@@ -99,7 +105,8 @@ class EpochLoop:
                 progress = tqdm(loader, total=steps_per_epoch * accumulate,
                                 disable=None if world.main else True,
                                 desc=f"epoch {epoch + 1}/{epochs}", leave=False)
-                started, stats_chunks, lrs = time.time(), [], []
+                started, lrs = time.time(), []
+                chunks: dict[str, list] = {name: [] for name in taps}
                 loss_sums: dict[str, torch.Tensor] = {}
                 for micro_batches in _updates(progress, steps_per_epoch, accumulate):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -123,8 +130,8 @@ class EpochLoop:
                         loss_sums[name] = loss_sums.get(name, 0) + value
                     detector.update(step, world.mean(update_sums["loss"]))
                     if step % detector.check_every == 0:
-                        if recorder is not None:
-                            stats_chunks.append(recorder.flush())
+                        for name, tap in taps.items():
+                            chunks[name].append(tap.flush())
                         if world.main:
                             progress.set_postfix(loss=f"{detector.last_loss:.3f}",
                                                  lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
@@ -139,9 +146,13 @@ class EpochLoop:
                            "epoch_time_s": time.time() - started, **evaluate(epoch)}
                 self.run.log(**metrics, lr_per_update=lrs)  # the rate each update used
                 logger.log(metrics, step=step)
-                if recorder is not None:
-                    stats_chunks.append(recorder.flush())
-                    save_statistics(self.run, epoch, stats_chunks)
+                for name, tap in taps.items():
+                    chunks[name].append(tap.flush())
+                if "stats" in taps:
+                    save_statistics(self.run, epoch, chunks["stats"])
+                if "gns" in taps:  # what one record's examples are within an update
+                    save_gns(self.run, epoch, chunks["gns"], {
+                        "batch_size": batch_size, "accumulate": accumulate, "replicas": world.world})
                 if world.main:
                     print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
                           f"{summary(metrics)}".rstrip())
@@ -154,8 +165,8 @@ class EpochLoop:
             meta = {**meta, "epochs": epochs, "init": init, **rejected_steps(self.model.state_dict())}
             result = record_collapse(self.run, collapse, metrics, meta)
         finally:
-            if recorder is not None:
-                recorder.close()
+            for tap in taps.values():
+                tap.close()
             logger.finish()
         return result
 

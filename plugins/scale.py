@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,7 +31,7 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConf
     for key in explicit:
         OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
     if scale.scale_norm_steps:  # against the schedule that runs, command-line values included
-        factor = lr_warmup_steps(cfg) / lr_warmup_steps(given)
+        factor = lr_warmup_steps(cfg, cfg.scale.get("max_steps_per_epoch")) / lr_warmup_steps(given)
         cfg.scale.norm_step_factor = factor
         for option in NORM_STEP_OPTIONS:
             if cfg.norm.get(option) and f"norm.{option}" not in explicit:
@@ -66,13 +66,14 @@ def micro_batches_per_update(recipe: DictConfig, world_size: int) -> int:
     return per_replica
 
 
-def lr_warmup_steps(cfg: DictConfig) -> float:
+def lr_warmup_steps(cfg: DictConfig, max_steps_per_epoch: Optional[int] = None) -> float:
     """The learning-rate warm-up of ``cfg`` in norm steps (micro-batches), or its whole
     length for a recipe without warm-up (CIFAR fine-tuning): the yardstick the norms' own step
     counts (warm-up, compensation start) are scaled by, so that at CPU scale each sits
     against the learning-rate schedule where the paper's does. Optimizer updates are
     converted with ``norm_steps_per_update`` (WMT14's 10k warm-up updates at update_freq 16
-    are 160k norm steps)."""
+    are 160k norm steps). ``max_steps_per_epoch`` caps a classification epoch as the run's
+    ``scale.max_steps_per_epoch`` does (the trainer's schedule counts the capped epochs)."""
     recipe = cfg.recipe
     if cfg.task == "translation":
         warmup, length = recipe.train.warmup_updates, recipe.train.max_update
@@ -83,6 +84,7 @@ def lr_warmup_steps(cfg: DictConfig) -> float:
         warmup, length = recipe.warmup_iters, recipe.epochs * per_epoch
     else:
         per_epoch = cfg.data.num_train // recipe.batch_size  # full batches, as epoch_plan
+        per_epoch = min(per_epoch, max_steps_per_epoch or per_epoch)
         warmup, length = recipe.warmup_epochs * per_epoch, recipe.epochs * per_epoch
     steps = (warmup or length) * norm_steps_per_update(cfg)
     if not steps:

@@ -312,15 +312,29 @@ def data_parallel(model: nn.Module, device: torch.device) -> DistributedDataPara
                                    **per_replica_buffers())
 
 
-def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
-    """Concatenate the epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
-    if not run.writer:
-        return
+def merge_records(chunks: list[dict]) -> dict:
+    """One epoch's flushed chunks of per-step records (``{layer: {key: (T, ...)}}``), each
+    key's steps concatenated (a GNS record's per-example rows zero-padded to the widest)."""
     merged: dict = {}
     for chunk in chunks:
         for layer, values in chunk.items():
             for key, tensor in values.items():
                 merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
-    merged = {layer: {k: torch.cat(v) for k, v in values.items()} for layer, values in merged.items()}
-    (run.path / "stats").mkdir(exist_ok=True)
-    torch.save(merged, run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")
+    return {layer: {k: unnorm.gns.cat_padded(v) for k, v in values.items()}
+            for layer, values in merged.items()}
+
+
+def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
+    """The epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
+    if run.writer:
+        (run.path / "stats").mkdir(exist_ok=True)
+        torch.save(merge_records(chunks), run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")
+
+
+def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> None:
+    """The epoch's GNS chunks into ``gns/epoch_XXXX.pt``: ``{"layers": {layer: records},
+    **batch}``, ``batch`` saying how the examples of a step relate to an update's."""
+    if run.writer:
+        (run.path / "gns").mkdir(exist_ok=True)
+        torch.save({"layers": merge_records(chunks), **batch},
+                   run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")

@@ -4,8 +4,10 @@
 
 Reads every ``result.json`` under ``--runs`` and the paper's numbers in
 ``results/paper/tables.yaml``; writes ``tables.md`` and ``tables.tex``. A cell of ours is the
-mean +- std over seeds with the run count; collapsed runs show as FAIL with their step; a
-dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
+mean +- std over seeds of the runs that learned, with their count; runs that finished no
+better than chance show as ``chance k/n``, collapsed ones as FAIL with their step; each cell
+is tested against its baseline (LN; UN as configured for sweeps and ablations) by Welch's
+t-test, marked after Holm's correction over the table's comparisons too; a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class Cell:
     runs: list = field(default_factory=list)
 
     def values(self, metric: str) -> list[float]:
-        """The metric of every run that finished."""
+        """The metric of every run that learned (status ``ok``: not collapsed, not at chance)."""
         return [r["metrics"][metric] for r in self.runs if r["status"] == "ok" and metric in r["metrics"]]
 
     def text(self, metric: str) -> str:
@@ -53,12 +55,15 @@ class Cell:
             return "—"
         ok = self.values(metric)
         digits = DIGITS.get(metric, 1)
+        chance = [r for r in self.runs if r["status"] == "chance"]
         failed = [r for r in self.runs if r["status"] == "FAIL"]
         dagger = "†" if any(r.get("scale", "full") != "full" for r in self.runs) else ""
         parts = []
         if ok:
             spread = f" ± {statistics.stdev(ok):.{digits}f}" if len(ok) > 1 else ""
             parts.append(f"{statistics.mean(ok):.{digits}f}{spread} (n={len(ok)})")
+        if chance:
+            parts.append(f"chance {len(chance)}/{len(self.runs)}")
         if failed:
             steps = ", ".join(str(r["fail_step"]) for r in failed)
             parts.append(f"FAIL {len(failed)}/{len(self.runs)} (step {steps})")
@@ -66,18 +71,83 @@ class Cell:
 
 
 DIGITS = {"val_loss": 3}  # decimals shown; others 1
+SIGNIFICANCE_NOTE = ("{n} in this table: the difference of means and Welch's p "
+                     "against the row's or column's baseline; * p < 0.05, ** also after Holm's "
+                     "correction over the table's comparisons. Means and tests take the runs that "
+                     "learned; 'chance k/n' runs finished no better than chance, FAIL runs "
+                     "collapsed.")
 
 
-def welch(values: list[float], baseline: list[float], digits: int = 3) -> str:
-    """``difference (p=...)`` of the means by Welch's t-test, ``*`` when p < 0.05; "—" when
-    either side has fewer than two runs."""
-    if len(values) < 2 or len(baseline) < 2:
-        return "—"
-    difference = statistics.mean(values) - statistics.mean(baseline)
-    if statistics.pstdev(values) == statistics.pstdev(baseline) == 0:
-        return f"{difference:+.{digits}f} (no spread: no test)"
-    p = stats.ttest_ind(values, baseline, equal_var=False).pvalue
-    return f"{difference:+.{digits}f} (p={p:.2g}){'*' if p < 0.05 else ''}"
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment: the family-wise error stays under the level over all tests."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+class Comparisons:
+    """A table's tests against its baselines: ``add`` one (Welch's t-test on the two sides'
+    runs) and get a placeholder; ``texts()`` fills them in with each difference, p, and the
+    marks of Holm's correction over every test of the table."""
+
+    def __init__(self, digits: int = 1):
+        self.digits, self.tests = digits, []
+
+    def add(self, values: list[float], baseline: list[float]) -> int:
+        self.tests.append((values, baseline))
+        return len(self.tests) - 1
+
+    def results(self) -> list[Optional[tuple[float, Optional[float]]]]:
+        """Per test: ``(difference, p)``; p None without spread; None with fewer than two
+        runs on a side."""
+        out = []
+        for values, baseline in self.tests:
+            if len(values) < 2 or len(baseline) < 2:
+                out.append(None)
+                continue
+            difference = statistics.mean(values) - statistics.mean(baseline)
+            flat = statistics.pstdev(values) == statistics.pstdev(baseline) == 0
+            out.append((difference, None if flat else
+                        float(stats.ttest_ind(values, baseline, equal_var=False).pvalue)))
+        return out
+
+    @property
+    def count(self) -> int:
+        return sum(1 for result in self.results() if result is not None and result[1] is not None)
+
+    def texts(self) -> list[str]:
+        results = self.results()
+        tested = [i for i, r in enumerate(results) if r is not None and r[1] is not None]
+        adjusted = dict(zip(tested, holm([results[i][1] for i in tested])))
+        texts = []
+        for index, result in enumerate(results):
+            if result is None:
+                texts.append("—")
+                continue
+            difference, p = result
+            if p is None:
+                texts.append(f"{difference:+.{self.digits}f} (no spread: no test)")
+                continue
+            mark = "**" if adjusted[index] < 0.05 else "*" if p < 0.05 else ""
+            texts.append(f"{difference:+.{self.digits}f} (p={p:.2g}){mark}")
+        return texts
+
+    def note(self) -> str:
+        """The table's note on its tests ("" without any)."""
+        count = self.count
+        return SIGNIFICANCE_NOTE.format(n=f"{count} comparison{'s' if count > 1 else ''}") if count else ""
+
+
+def with_tests(rows: list[list], comparisons: Comparisons, prefix: str = "") -> list[list[str]]:
+    """``rows`` with every ``Comparisons.add`` placeholder (a ``(text, index)`` pair) replaced
+    by ``text`` and the test's result."""
+    texts = comparisons.texts()
+    return [[cell if isinstance(cell, str) else
+             (cell[0] or "—" if texts[cell[1]] == "—" else f"{cell[0]}{prefix}{texts[cell[1]]}")
+             for cell in row] for row in rows]
 
 
 def select(runs: list[dict], **where: Callable[[dict], bool]) -> Cell:
@@ -99,19 +169,30 @@ class Table:
 def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
     """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric)."""
     header = ["method"] + list(columns)
+    cells = {(norm, column): select(runs, task=lambda r: r.get("task") == task,
+                                    norm=lambda r, n=norm: r.get("norm") == n,
+                                    model=lambda r, m=model: m is None or r.get("model") == m,
+                                    data=lambda r, d=data: r.get("exp_data") == d,
+                                    default=is_default)
+             for norm in METHOD_NORMS.values() for column, (model, data, _) in columns.items()}
+    comparisons = Comparisons()
     rows = []
     for method, norm in METHOD_NORMS.items():
         row = [method]
-        for column, (model, data, metric) in columns.items():
-            ours = select(runs, task=lambda r: r.get("task") == task,
-                          norm=lambda r, n=norm: r.get("norm") == n,
-                          model=lambda r, m=model: m is None or r.get("model") == m,
-                          data=lambda r, d=data: r.get("exp_data") == d,
-                          default=is_default).text(metric)
-            row.append(f"{paper_text(paper.get(method, {}).get(column))} / {ours}")
-        if any(cell != "— / —" for cell in row[1:]):
+        for column, (_, _, metric) in columns.items():
+            cell = cells[(norm, column)]
+            text = f"{paper_text(paper.get(method, {}).get(column))} / {cell.text(metric)}"
+            row.append(text if norm == "ln" else
+                       (text, comparisons.add(cell.values(metric), cells[("ln", column)].values(metric))))
+        if any(_text(cell) != "— / —" for cell in row[1:]):
             rows.append(row)
-    return Table(title, header, rows, ["Each cell: paper / ours."])
+    return Table(title, header, with_tests(rows, comparisons, "; vs LN "),
+                 ["Each cell: paper / ours; vs LN: our difference from LN's runs in the column.",
+                  comparisons.note()])
+
+
+def _text(cell) -> str:
+    return cell if isinstance(cell, str) else cell[0]
 
 
 def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
@@ -123,13 +204,22 @@ def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
     unswept = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None
                and all(item.lstrip("+").startswith(key) for item in changes(r))]
     swept = {where(r) for r in unswept if override_value(r, key) is not None}
+    comparisons = Comparisons()
     for place in sorted(swept):
         task, model, data = place
+        metric = TASK_METRIC[task]
         group = [r for r in unswept if where(r) == place]
-        cells = [Cell([r for r in group if _same(option_value(r, key), v)]).text(TASK_METRIC[task])
-                 for v in values]
-        rows.append([f"ours: {model} {data} {TASK_METRIC[task]}"] + cells)
-    return Table(title, header, rows)
+        default = Cell([r for r in group if not changes(r)]).values(metric)
+        row: list = [f"ours: {model} {data} {metric}"]
+        for v in values:
+            cell = Cell([r for r in group if _same(option_value(r, key), v)])
+            has_default = any(not changes(r) for r in cell.runs)
+            row.append(cell.text(metric) if has_default or not cell.runs else
+                       (cell.text(metric), comparisons.add(cell.values(metric), default)))
+        rows.append(row)
+    return Table(title, header, with_tests(rows, comparisons, "; vs default "),
+                 [f"ours: vs default: against UN as configured (the column holding its runs). "
+                  f"{comparisons.note()}"])
 
 
 def _same(text: Optional[str], value) -> bool:
@@ -148,16 +238,21 @@ def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
     groups = sorted({where(r) for r in un if override_value(r, "ablation")})
     header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
               + [f"ours: {model} {data} {TASK_METRIC[task]}" for task, model, data in groups])
+    comparisons = Comparisons()
     rows = []
     for item in paper_rows:
-        row = [str(item[k]) for k in ("exp", "fwd_gm", "bwd_am", "bwd_ema")]
+        row: list = [str(item[k]) for k in ("exp", "fwd_gm", "bwd_am", "bwd_ema")]
         row += [paper_text(item.get(m)) for m in metrics]
         wanted = [] if item["exp"] == 1 else [f"+ablation=un_exp{item['exp']}"]
         for place in groups:
-            row.append(Cell([r for r in un if where(r) == place and changes(r) == wanted]
-                            ).text(TASK_METRIC[place[0]]))
+            metric = TASK_METRIC[place[0]]
+            cell = Cell([r for r in un if where(r) == place and changes(r) == wanted])
+            default = Cell([r for r in un if where(r) == place and not changes(r)])
+            row.append(cell.text(metric) if not wanted or not cell.runs else
+                       (cell.text(metric), comparisons.add(cell.values(metric), default.values(metric))))
         rows.append(row)
-    return Table(title, header, rows)
+    return Table(title, header, with_tests(rows, comparisons, "; vs Exp1 "),
+                 [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}"])
 
 
 def stability_tables(runs: list[dict]) -> list[Table]:
@@ -165,13 +260,25 @@ def stability_tables(runs: list[dict]) -> list[Table]:
     collapsed fraction and the mean metric of the runs that did not collapse."""
     tables = []
     for (task, model, data), settings in sorted(ladder(runs).items()):
+        metric = TASK_METRIC[task]
         multiples = sorted({m for cells in settings.values() for m in cells})
-        rows = [[label] + [Cell(settings[label].get(m, [])).text(TASK_METRIC[task]) for m in multiples]
-                for label in sorted(settings, key=method_order)]
-        tables.append(Table(f"Stability: {model} {data}, {TASK_METRIC[task]} by learning-rate multiple",
-                            ["setting"] + [f"{m:g}x lr" for m in multiples], rows,
+        comparisons = Comparisons(DIGITS.get(metric, 1))
+        rows = []
+        for label in sorted(settings, key=method_order):
+            row: list = [label]
+            for m in multiples:
+                cell = Cell(settings[label].get(m, []))
+                baseline = Cell(settings.get("LN", {}).get(m, []))
+                row.append(cell.text(metric) if label == "LN" or not cell.runs else
+                           (cell.text(metric), comparisons.add(cell.values(metric), baseline.values(metric))))
+            rows.append(row)
+        tables.append(Table(f"Stability: {model} {data}, {metric} by learning-rate multiple",
+                            ["setting"] + [f"{m:g}x lr" for m in multiples],
+                            with_tests(rows, comparisons, "; vs LN "),
                             ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
-                             "the number is the mean of the others."]))
+                             "chance k/n: k finished no better than chance; the number is the mean "
+                             "of the others. vs LN: against LN at the same multiple.",
+                             comparisons.note()]))
     return tables
 
 
@@ -183,10 +290,23 @@ def settings_tables(runs: list[dict]) -> list[Table]:
     tables = []
     for task, model, data in sorted({where(r) for r in small}):
         group = [r for r in small if where(r) == (task, model, data)]
+        metric = TASK_METRIC[task]
         labels = sorted({setting(r) for r in group}, key=method_order)
-        rows = [[label, Cell([r for r in group if setting(r) == label]).text(TASK_METRIC[task])]
-                for label in labels]
-        tables.append(Table(f"CPU-scale settings: {model} {data}", ["setting", TASK_METRIC[task]], rows))
+        cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
+        reference = "Pre-LN" if task == "language_modelling" else "LN"
+        comparisons = Comparisons(DIGITS.get(metric, 1))
+        rows = []
+        for label, cell in cells.items():
+            baseline = label.split(" ")[0] if " " in label else reference
+            tested = baseline != label and baseline in cells
+            rows.append([label, cell.text(metric), baseline if tested else "—",
+                         ("", comparisons.add(cell.values(metric), cells[baseline].values(metric)))
+                         if tested else "—"])
+        tables.append(Table(f"CPU-scale settings: {model} {data}",
+                            ["setting", metric, "baseline", "vs baseline"],
+                            with_tests(rows, comparisons),
+                            [f"Baseline: the method as configured for a changed setting, else "
+                             f"{reference}. {comparisons.note()}"]))
     return tables
 
 
@@ -208,6 +328,7 @@ def lm_tables(runs: list[dict]) -> list[Table]:
         labels = sorted({setting(r) for r in group if " " not in setting(r)}, key=method_order)
         cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
         baseline = cells["Pre-LN"].values("val_loss") if "Pre-LN" in cells else []
+        comparisons = Comparisons(DIGITS["val_loss"])
         rows = []
         for label, cell in cells.items():
             leak = {r["metrics"].get("leaks_future") for r in cell.runs if r["status"] == "ok"}
@@ -216,15 +337,15 @@ def lm_tables(runs: list[dict]) -> list[Table]:
             seen = ("yes" if leak == {True} else "no" if leak == {False} else "mixed" if leak else "—")
             if train_mode:
                 seen += f" (train mode {statistics.mean(train_mode):.3f})"
-            rows.append([label, cell.text("val_loss"),
-                         "—" if label == "Pre-LN" else welch(cell.values("val_loss"), baseline), seen])
+            rows.append([label, cell.text("val_loss"), "—" if label == "Pre-LN" else
+                         ("", comparisons.add(cell.values("val_loss"), baseline)), seen])
         tables.append(Table(
             f"Language modelling: {place[1]} {place[2]}, validation loss (nats)",
-            ["setting", "val_loss", "vs Pre-LN: difference (Welch p)", "sees later tokens"], rows,
-            ["Lower is better; * marks p < 0.05 (Welch, against Pre-LN's seeds). "
-             "'sees later tokens': training-mode logits at position t move when a later token "
-             "changes (the future-leak probe); 'train mode' is the validation loss with "
-             "training-mode statistics."]))
+            ["setting", "val_loss", "vs Pre-LN: difference (Welch p)", "sees later tokens"],
+            with_tests(rows, comparisons),
+            ["Lower is better. 'sees later tokens': training-mode logits at position t move when "
+             "a later token changes (the future-leak probe); 'train mode' is the validation loss "
+             "with training-mode statistics.", comparisons.note()]))
         if any(override_value(r, BATCH_KEY) is not None for r in group):
             tables.append(batch_table(place, group, sorted({r["batch_size"] for r in group
                                                             if "batch_size" in r})))
@@ -242,14 +363,16 @@ def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:
     cells = {(norm, size): cell(norm, size) for norm in ("ln", "un") for size in sizes}
     rows = [[method] + [cells[(norm, size)].text("val_loss") for size in sizes]
             for method, norm in (("Pre-LN", "ln"), ("Pre-UN", "un"))]
-    rows.append(["UN − LN (Welch p)"] + [welch(cells[("un", size)].values("val_loss"),
-                                               cells[("ln", size)].values("val_loss")) for size in sizes])
+    comparisons = Comparisons(DIGITS["val_loss"])
+    rows.append(["UN − LN (Welch p)"] + [("", comparisons.add(cells[("un", size)].values("val_loss"),
+                                                              cells[("ln", size)].values("val_loss")))
+                                         for size in sizes])
     tokens = sorted({r["metrics"]["tokens"] for c in cells.values() for r in c.runs
                      if "tokens" in r.get("metrics", {})})
     return Table(f"Language modelling: {place[1]} {place[2]}, validation loss by batch size "
                  "(sequences per update, same training tokens)",
-                 ["setting"] + [str(size) for size in sizes], rows,
-                 ["* marks p < 0.05 (Welch). No run accumulates: UN's and LN's statistics see the "
+                 ["setting"] + [str(size) for size in sizes], with_tests(rows, comparisons),
+                 [f"{comparisons.note()} No run accumulates: UN's and LN's statistics see the "
                   f"batch size in the column. Training tokens per run: {', '.join(map(str, tokens))}."])
 
 
@@ -355,7 +478,8 @@ def to_markdown(tables: list[Table], run_count: int) -> str:
         out += [f"## {table.title}", "", "| " + " | ".join(table.header) + " |",
                 "|" + "---|" * len(table.header)]
         out += ["| " + " | ".join(row) + " |" for row in table.rows]
-        out += [""] + [f"{note}" for note in table.notes] + ([""] if table.notes else [])
+        notes = [note for note in table.notes if note]
+        out += [""] + notes + ([""] if notes else [])
     return "\n".join(out)
 
 

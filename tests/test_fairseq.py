@@ -163,6 +163,7 @@ def gpus(monkeypatch):
 @pytest.mark.parametrize("overrides, error, fix", [
     (["compile=true"], ValueError, "drop it for translation"),
     (["record_statistics=true"], ValueError, "drop it for translation"),
+    (["record_gns=true"], ValueError, "drop it for translation"),
     (["scale.max_steps_per_epoch=5"], ValueError, "recipe.train.max_update"),
     (["reset_norm_steps=true"], ValueError, "set init_from="),
     (["+recipe.train.fp16=true"], ValueError, "set amp=false"),

@@ -15,14 +15,15 @@ from plugins.training import Distributed
 C, SAMPLES = 6, 48
 
 
-def _cfg():
+def _cfg(record_gns: bool = False):
     return OmegaConf.create({
         "exp_name": "loop", "seed": 0, "norm_sync": "reduce", "record_statistics": False,
-        "trust_checkpoint": False, "logger": {"name": "none"}, "scale": {"num_workers": 0},
+        "record_gns": record_gns, "trust_checkpoint": False, "logger": {"name": "none"}, "scale": {"num_workers": 0},
         "collapse": {"loss_multiple": 5.0, "ema": 0.9, "min_steps": 50, "check_every": 4}})
 
 
-def _train(tmp_path, norm: str, batch: int, accumulate: int, updates: int):
+def _train(tmp_path, norm: str, batch: int, accumulate: int, updates: int,
+           record_gns: bool = False):
     """``updates`` SGD updates of a linear-norm-linear regression, each over
     ``batch * accumulate`` samples; returns the model and the run's result."""
     torch.manual_seed(0)
@@ -33,7 +34,7 @@ def _train(tmp_path, norm: str, batch: int, accumulate: int, updates: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # not scale-free
     scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=1, warmup_epochs=0,
                                        step_on_epochs=False, updates_per_epoch=updates)
-    cfg, world = _cfg(), Distributed("cpu")
+    cfg, world = _cfg(record_gns), Distributed("cpu")
     run = RunDirectory(tmp_path)
     loop = EpochLoop(cfg, tmp_path, world, run, model, optimizer, scheduler, None)
 
@@ -72,3 +73,34 @@ def test_a_per_epoch_schedule_is_refused(tmp_path):
     with pytest.raises(ValueError, match="step_on_epochs=False"):
         EpochLoop(_cfg(), tmp_path, Distributed("cpu"), RunDirectory(tmp_path),
                   torch.nn.Linear(2, 2), optimizer, scheduler, None)
+
+
+@pytest.mark.parametrize("norm", ["ln", "bn", "un", "prepbn"])
+def test_recording_the_gns_changes_no_training(tmp_path, norm):
+    """record_gns=true trains bit for bit as without (LN keeps its fused kernel; the tap only
+    reads gradients), and writes one record per update for the norm."""
+    plain, plain_result = _train(tmp_path / "plain", norm, batch=8, accumulate=1, updates=5)
+    recorded, result = _train(tmp_path / "gns", norm, batch=8, accumulate=1, updates=5, record_gns=True)
+    for (name, a), b in zip(plain.state_dict().items(), recorded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert result["metrics"]["train_loss"] == plain_result["metrics"]["train_loss"]
+    assert not (tmp_path / "plain" / "gns").exists()
+    saved = torch.load(tmp_path / "gns" / "gns" / "epoch_0001.pt", weights_only=True)
+    assert list(saved["layers"]) == ["1"] and saved["layers"]["1"]["examples"].tolist() == [8.0] * 5
+    assert recorded[1]._gns is None  # the loop closed its tap
+
+
+def test_gns_records_each_micro_batch_in_its_mean_losss_units(tmp_path):
+    """With two micro-batches per update each is one record, and the loss's division by the
+    micro-batch count is undone: the first micro-batch's record equals the record of the
+    same first batch trained without accumulation (same weights, same samples)."""
+    _train(tmp_path / "single", "ln", batch=8, accumulate=1, updates=2, record_gns=True)
+    _train(tmp_path / "split", "ln", batch=8, accumulate=2, updates=2, record_gns=True)
+    single, split = (torch.load(tmp_path / run / "gns" / "epoch_0001.pt", weights_only=True)
+                     for run in ("single", "split"))
+    assert {k: split[k] for k in ("batch_size", "accumulate", "replicas")} == {
+        "batch_size": 8, "accumulate": 2, "replicas": 1}
+    records, first = split["layers"]["1"], single["layers"]["1"]
+    assert len(records["batch_sq"]) == 4 and len(first["batch_sq"]) == 2
+    for key in ("example_sq", "batch_sq", "examples"):
+        torch.testing.assert_close(records[key][0], first[key][0], rtol=1e-6, atol=0)

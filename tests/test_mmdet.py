@@ -293,6 +293,14 @@ def test_device_cpu_keeps_the_model_off_a_visible_gpu(tmp_path, monkeypatch):
     assert {p.device.type for p in runner.model.parameters()} == {"cpu"}
 
 
+@pytest.mark.parametrize("option", ["record_statistics", "record_gns", "compile"])
+def test_taps_and_compile_are_refused_before_anything_runs(option, tmp_path):
+    """mmengine trains the model: the loop's taps and compiling are torchvision's."""
+    with pytest.raises(ValueError, match="drop it for the mmdet backend"):
+        train(config(*detection(tmp_path, "mask_rcnn_swin_t_un", f"{option}=true")), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_max_steps_per_epoch_caps_every_epoch_at_fresh_batches(tmp_path):
     """16 images in batches of 8, at most one batch per epoch: the run's length counts one
     step per epoch, and each epoch's batch is the first of that epoch's shuffled order."""

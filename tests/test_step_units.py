@@ -33,6 +33,15 @@ def test_cpu_scaling_of_norm_steps_uses_micro_batches_on_both_sides():
     assert iwslt.norm.warmup_iters == round(4000 * iwslt.recipe.train.warmup_updates / 6000)
 
 
+def test_classification_scales_by_the_warmup_that_runs_per_update():
+    """At scale=cpu the one-epoch warm-up is 1437 // 64 = 22 updates against Swin-T's 20 x
+    1251 = 25020 (1,281,167 images at batch 1024); capping the epoch at 11 updates halves it."""
+    cpu = _effective("+exp=swin_t_un", "scale=cpu")
+    assert cpu.scale.norm_step_factor == 22 / 25020 and cpu.norm.warmup_iters == round(4000 * 22 / 25020)
+    capped = _effective("+exp=swin_t_un", "scale=cpu", "scale.max_steps_per_epoch=11")
+    assert capped.scale.norm_step_factor == 11 / 25020 and capped.norm.warmup_iters == 2
+
+
 def test_a_norm_step_count_given_on_the_command_line_is_not_rescaled():
     cfg = _effective("+exp=wmt14_un", "scale=cpu", "norm.warmup_iters=30")
     assert cfg.norm.warmup_iters == 30

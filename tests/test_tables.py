@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import submitit
 from hydra import compose, initialize_config_dir
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -105,13 +106,15 @@ def test_stability_map_table_and_figure(tmp_path):
                   overrides=["lr_multiple=30"], status="FAIL", fail_step=40 + seed)
         write_run(runs, f"mabn3_{seed}", norm="mabn", seed=seed, **t2t, overrides=["lr_multiple=3"],
                   metrics={"top1": 70.0 + 2 * seed})
+    write_run(runs, "mabn30_2", norm="mabn", seed=2, **t2t, overrides=["lr_multiple=30"],
+              status="chance", metrics={"top1": 10.0})
     write_run(runs, "un_noof3", seed=0, **t2t, overrides=["lr_multiple=3", "norm.outlier_filtration=false"],
               status="FAIL", fail_step=12)
     markdown = make_tables(runs, tmp_path / "out")
     title = "Stability: t2t_vit_14 digits"
     assert table_row(markdown, title, "setting")[1:] == ["1x lr", "3x lr", "30x lr"]
     assert table_row(markdown, title, "MABN")[1:] == ["80.0 ± 0.0 (n=2)†", "71.0 ± 1.4 (n=2)†",
-                                                      "FAIL 2/2 (step 40, 41)†"]
+                                                      "chance 1/3; FAIL 2/3 (step 40, 41)†"]
     assert table_row(markdown, title, "UN norm.outlier_filtration=false")[1:] == [
         "—", "FAIL 1/1 (step 12)†", "—"]
     settings = table_row(markdown, "CPU-scale settings: t2t_vit_14 digits", "MABN")
@@ -120,7 +123,7 @@ def test_stability_map_table_and_figure(tmp_path):
                            "--out", str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     points = json.loads((tmp_path / "fig" / "t2t_vit_14_digits.json").read_text())
-    assert points["MABN"]["30"] == {"ok": [], "fail": [40, 41]} and points["MABN"]["1"]["ok"] == [80.0, 80.0]
+    assert points["MABN"]["30"] == {"ok": [], "chance": [10.0], "fail": [40, 41]} and points["MABN"]["1"]["ok"] == [80.0, 80.0]
     assert (tmp_path / "fig" / "t2t_vit_14_digits.png").stat().st_size > 10_000
 
 
@@ -164,8 +167,10 @@ def test_language_modelling_table_tests_each_setting_against_pre_ln(tmp_path):
     p_post = stats.ttest_ind(post, ln, equal_var=False).pvalue
     assert p_un < 0.05 < p_post  # the synthetic data: one difference real, one within noise
     assert table_row(markdown, title, "Pre-LN")[1:] == ["3.910 ± 0.010 (n=3)†", "—", "no"]
+    # two tests in the table (UN, Post-LN; NoNorm has no finished run): Holm doubles the smaller p
+    mark = "**" if 2 * p_un < 0.05 else "*"
     assert table_row(markdown, title, "Pre-UN")[1:] == [
-        "3.970 ± 0.020 (n=3)†", f"+0.060 (p={p_un:.2g})*", "yes (train mode 3.500)"]
+        "3.970 ± 0.020 (n=3)†", f"+0.060 (p={p_un:.2g}){mark}", "yes (train mode 3.500)"]
     assert table_row(markdown, title, "Post-LN")[1:] == [
         "3.915 ± 0.010 (n=3)†", f"+0.005 (p={p_post:.2g})", "no"]
     assert table_row(markdown, title, "Pre-NoNorm")[1] == "FAIL 1/1 (step 77)†"
@@ -173,8 +178,13 @@ def test_language_modelling_table_tests_each_setting_against_pre_ln(tmp_path):
     assert table_row(markdown, sweep, "setting")[1:] == ["4", "16", "64"]
     assert table_row(markdown, sweep, "Pre-LN")[1:] == [
         "4.105 ± 0.007 (n=2)†", "3.910 ± 0.010 (n=3)†", "3.805 ± 0.007 (n=2)†"]
-    p16 = stats.ttest_ind(un, ln, equal_var=False).pvalue
-    assert table_row(markdown, sweep, "UN − LN (Welch p)")[2] == f"+0.060 (p={p16:.2g})*"
+    p16 = stats.ttest_ind(un, ln, equal_var=False).pvalue  # one of three tests (4, 16, 64)
+    p4 = stats.ttest_ind([x + 0.2 for x in un[:2]], [x + 0.2 for x in ln[:2]], equal_var=False).pvalue
+    p64 = stats.ttest_ind([x - 0.1 for x in un[:2]], [x - 0.1 for x in ln[:2]], equal_var=False).pvalue
+    rank = sorted([p4, p16, p64]).index(p16)
+    holm16 = max(min(1, (3 - i) * p) for i, p in enumerate(sorted([p4, p16, p64])[:rank + 1]))
+    mark = "**" if holm16 < 0.05 else "*" if p16 < 0.05 else ""
+    assert table_row(markdown, sweep, "UN − LN (Welch p)")[2] == f"+0.060 (p={p16:.2g}){mark}"
     proc = subprocess.run([sys.executable, "-m", "analysis.lm_curves", "--runs", str(runs),
                            "--out", str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -182,6 +192,32 @@ def test_language_modelling_table_tests_each_setting_against_pre_ln(tmp_path):
     assert list(curves) == ["Pre-LN", "Post-LN", "Pre-UN"]  # as configured, finished runs only
     assert curves["Pre-UN"] == {"1000": [v + 1.0 for v in un], "2000": un}
     assert (tmp_path / "fig" / "llama_cpu_lm_cpu_curves.png").stat().st_size > 10_000
+
+
+def test_cells_test_against_ln_and_show_chance_apart(tmp_path):
+    """Each method's cell carries its difference from LN's runs of the column with Welch's p;
+    a run at chance is counted apart, not in the mean or the test."""
+    from scipy import stats
+    runs = tmp_path / "runs"
+    ln, bn = [80.0, 82.0, 81.0], [70.0, 71.0, 73.0]
+    for seed in range(3):
+        write_run(runs, f"ln{seed}", norm="ln", seed=seed, metrics={"top1": ln[seed]})
+        write_run(runs, f"bn{seed}", norm="bn", seed=seed, metrics={"top1": bn[seed]})
+    write_run(runs, "bn_chance", norm="bn", seed=3, status="chance", metrics={"top1": 10.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    p = stats.ttest_ind(bn, ln, equal_var=False).pvalue
+    assert p < 0.05  # one test in the table: Holm changes nothing
+    assert table_row(markdown, "Table 2", "BN")[1] == (
+        f"80.8 / 71.3 ± 1.5 (n=3); chance 1/4; vs LN -9.7 (p={p:.2g})**")
+    assert "1 comparison in this table" in markdown
+
+
+def test_holm_adjustment_against_hand_computed_values():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tables import holm
+    # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, max(0.03, 2 x 0.03), max(0.06, 1 x 0.04)
+    assert holm([0.04, 0.01, 0.03]) == pytest.approx([0.06, 0.03, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
 
 
 def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):

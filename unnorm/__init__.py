@@ -15,6 +15,7 @@ from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
 from .fold import (ChannelAffine, FoldedNorm, check_fold_plan, fold_by_plan, fold_into_linear,
                    fold_norms, to_affine)
+from .gns import GNSRecorder, record_gns
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
@@ -39,8 +40,8 @@ __all__ = [
     "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "option_names",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
-    "replace_module", "record_statistics", "reset_steps",
-    "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder",
+    "replace_module", "record_statistics", "record_gns", "reset_steps",
+    "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder", "GNSRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
     "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "GradScaler", "LossScaleGuard",

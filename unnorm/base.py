@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ class ChannelNorm(nn.Module):
     #: the factor the loss was multiplied by in this update (a 0-dim float32 tensor shared by
     #: the model's norms), set by ``unnorm.LossScaleGuard``; None: gradients are unscaled
     loss_scale: Optional[torch.Tensor] = None
+    #: the learnable per-channel affine: the parameters whose per-example gradients give the
+    #: gradient noise scale (``unnorm.gns``)
+    affine_names: tuple[str, ...] = ("weight", "bias")
 
     def __init__(self, num_features: int, eps: float = 1e-5, bias: bool = True, device=None,
                  dtype=None):
@@ -51,6 +54,7 @@ class ChannelNorm(nn.Module):
         self.register_parameter("bias", nn.Parameter(torch.zeros(num_features, **factory))
                                 if bias else None)
         self._tap = None  # a statistics tap (unnorm.stats) while recording, else None
+        self._gns = None  # a gradient-noise-scale tap (unnorm.gns) while recording, else None
 
     @classmethod
     def offline_for(cls, **options) -> bool:
@@ -81,6 +85,8 @@ class ChannelNorm(nn.Module):
                     f"(True = padding), got {tuple(pad_mask.shape)}; transpose fairseq's (B, T) "
                     "mask to (T, B) for time-first input")
             valid = ~pad_mask.reshape(-1)
+        if self._gns is not None and self.training:
+            self._gns.begin(x.shape[:-1], valid)  # which rows are which example's
         rows = x.reshape(-1, self.num_features)
         return self._normalize(rows, valid).to(x.dtype).reshape(x.shape)
 
@@ -92,12 +98,34 @@ class ChannelNorm(nn.Module):
         """Statistics are recorded for training steps only."""
         return self._tap is not None and self.training
 
+    def affine_parameters(self) -> dict[str, nn.Parameter]:
+        """The learnable affine parameters this norm has (none for NoNorm)."""
+        return {name: getattr(self, name) for name in self.affine_names
+                if isinstance(getattr(self, name, None), nn.Parameter)}
+
     def _affine(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """``weight * z + bias`` in float32 (z float32); ``weight * z`` without a bias."""
+        z_value = z.detach()
         z = self._watch_grad(z, valid)
         if self.bias is None:
-            return z * upcast(self.weight)
-        return torch.addcmul(upcast(self.bias), z, upcast(self.weight))
+            out = z * upcast(self.weight)
+        else:
+            out = torch.addcmul(upcast(self.bias), z, upcast(self.weight))
+        return self._watch_affine(out, lambda: {"weight": z_value, "bias": None})
+
+    def _watch_affine(self, out: torch.Tensor,
+                      factors: Callable[[], dict[str, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """When recording the gradient noise scale, hook dL/d(out) to record the per-example
+        gradients of the affine parameters. ``factors()``, called in the backward (so a
+        factor costs no memory until then), gives for each parameter name the tensor that
+        multiplies dL/d(out) row by row into that parameter's gradient (None: 1, a bias)."""
+        if self._gns is None or not self.training or not builds_graph(out):
+            return out
+        tap, examples, scale, trained = self._gns, self._gns.current, self.loss_scale, {
+            name for name, param in self.affine_parameters().items() if param.requires_grad}
+        out.register_hook(lambda dy: tap.record(
+            dy, examples, [f for name, f in factors().items() if name in trained], scale))
+        return out
 
     def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """When recording, hook dL/dz to record mean(g * z). Returns the tensor to use as z:

@@ -32,7 +32,9 @@ class StepPlan:
     ``step`` is this step's t (the counter plus one); ``r`` is None where the norm never
     compensates; ``skip`` is the outlier flag (None where the norm never filters);
     ``state`` holds the candidate forward state, committed with the backward's;
-    ``loss_scale`` the factor the backward's gradient carries (None: unscaled).
+    ``loss_scale`` the factor the backward's gradient carries (None: unscaled);
+    ``statistic`` the v that ``inv_std`` is 1 / sqrt(v + eps) of (set by UN, whose replay
+    reports it).
     """
 
     step: torch.Tensor
@@ -42,6 +44,7 @@ class StepPlan:
     skip: Optional[torch.Tensor] = None
     state: dict = field(default_factory=dict)
     loss_scale: Optional[torch.Tensor] = None
+    statistic: Optional[torch.Tensor] = None
 
     def where_skipped(self, if_skipped: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
         return otherwise if self.skip is None else torch.where(self.skip, if_skipped, otherwise)
@@ -126,6 +129,8 @@ class _EstimatedNormFunction(torch.autograd.Function):
     def forward(ctx, rows, weight, bias, norm: EstimatedNorm, valid):
         out, plan, accepted, total = _forward_step(norm, rows, weight, bias, valid)
         ctx.norm, ctx.plan, ctx.total = norm, plan, total
+        ctx.gns = norm._gns  # a GNS tap and this step's examples while recording
+        ctx.examples = None if norm._gns is None else norm._gns.current
         ctx.save_for_backward(rows, valid, weight, accepted)
         return out
 
@@ -136,6 +141,11 @@ class _EstimatedNormFunction(torch.autograd.Function):
         x, dy = upcast(rows), upcast(dy)
         inv_std = plan.inv_std
         r = torch.ones_like(inv_std) if plan.r is None else plan.r
+        if ctx.gns is not None:  # per-row gradients: weight dy * z * r, bias dy
+            factors = (x * (inv_std * r), None)
+            ctx.gns.record(dy, ctx.examples, [factor for factor, trained in
+                                              zip(factors, ctx.needs_input_grad[1:3]) if trained],
+                           plan.loss_scale)
         dy_x = dy * x
         sum_dy_z = channel_sum(dy_x) * inv_std                      # sum(dy * z)
         over_valid = valid is not None and norm.grad_stat_over_valid

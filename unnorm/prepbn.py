@@ -36,6 +36,7 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
     over."""
 
     START_NORMS = ("ln", "rms")
+    affine_names = ("weight", "bias", "bn_weight", "bn_bias")
 
     def __init__(self, num_features: int, warmup_iters: int = 0, decay_iters: int = 300000,
                  r0: float = 1.0, momentum: float = 0.9, eps: float = 1e-5,
@@ -95,20 +96,27 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
                                                 self._positions)
         if self._recording:
             self._tap.record_act(var)
+        z_value, plain = z.detach(), rows.detach()
         z = self._watch_grad(z, valid)
         rep_bn = torch.addcmul(upcast(self.bn_bias), z, upcast(self.bn_weight)) + upcast(self.alpha) * rows
         share = self.layer_norm_share(step)
         mixed = share * start + (1 - share) * rep_bn
         out = torch.where(step <= self.warmup_iters, start, mixed)  # SLAB runs no BN in warm-up
+        # the start norm's affine takes share of dy, RepBN's the rest (share is 1 in warm-up)
+        out = self._watch_affine(out, lambda: {
+            "weight": share * self._start(plain, affine=False), "bias": share,
+            "bn_weight": (1 - share) * z_value, "bn_bias": 1 - share})
         bn_on = step > self.warmup_iters
         state = {name: torch.where(bn_on, value, getattr(self, name))
                  for name, value in running_statistics(self, mean, var, count).items()}
         return commit_on_backward(out, self, valid, state, statistic_ok(var, count))
 
-    def _start(self, rows: torch.Tensor) -> torch.Tensor:
-        """The norm training starts from, on float32 rows, with its affine."""
-        bias = None if self.bias is None else upcast(self.bias)
+    def _start(self, rows: torch.Tensor, affine: bool = True) -> torch.Tensor:
+        """The norm training starts from, on float32 rows, with its affine (``affine=False``:
+        the standardised z alone)."""
+        weight = upcast(self.weight) if affine else None
+        bias = None if self.bias is None or not affine else upcast(self.bias)
         if self.start_norm == "ln":
-            return F.layer_norm(rows, (self.num_features,), upcast(self.weight), bias, self.eps)
-        normed = F.rms_norm(rows, (self.num_features,), upcast(self.weight), self.eps)
+            return F.layer_norm(rows, (self.num_features,), weight, bias, self.eps)
+        normed = F.rms_norm(rows, (self.num_features,), weight, self.eps)
         return normed if bias is None else normed + bias

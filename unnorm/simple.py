@@ -16,12 +16,17 @@ class LayerNorm(ChannelNorm):
     """LayerNorm over the channel axis of each position (online)."""
 
     def _normalize(self, rows, valid):
-        if not self._recording:
-            bias = None if self.bias is None else upcast(self.bias)
-            return F.layer_norm(upcast(rows), (self.num_features,), upcast(self.weight), bias,
-                                self.eps)
-        self._tap.record_act(channel_mean_sq(rows, valid))
-        return self._affine(F.layer_norm(upcast(rows), (self.num_features,), eps=self.eps), valid)
+        if self._recording:
+            self._tap.record_act(channel_mean_sq(rows, valid))
+            return self._affine(self._standardize(rows), valid)
+        bias = None if self.bias is None else upcast(self.bias)
+        out = F.layer_norm(upcast(rows), (self.num_features,), upcast(self.weight), bias, self.eps)
+        rows = rows.detach()  # the fused kernel keeps no z: the GNS tap recomputes it
+        return self._watch_affine(out, lambda: {"weight": self._standardize(rows), "bias": None})
+
+    def _standardize(self, rows: torch.Tensor) -> torch.Tensor:
+        """z: each row standardised over its channels, in float32, before the affine."""
+        return F.layer_norm(upcast(rows), (self.num_features,), eps=self.eps)
 
 
 class RMSNorm(ChannelNorm):

@@ -47,7 +47,47 @@ class LayerTap:
         return chunk
 
 
-class StatisticsRecorder:
+class Recorder:
+    """Puts a tap in the ``slot`` attribute of every norm of a model it ``records``; use as a
+    context manager or call ``close()``. ``flush()`` hands over each layer's pending records."""
+
+    slot = "_tap"
+    nothing_to_record = ("the model has no unnorm norm layer to record; build it with "
+                         "unnorm.build_norm / swap_norms first")
+
+    def __init__(self, model: nn.Module):
+        self.layers = {name: module for name, module in model.named_modules()
+                       if isinstance(module, ChannelNorm) and self.records(module)}
+        if not self.layers:
+            raise ValueError(self.nothing_to_record)
+        if any(getattr(module, self.slot) is not None for module in self.layers.values()):
+            raise RuntimeError("this model is already being recorded")
+        for module in self.layers.values():
+            setattr(module, self.slot, self.new_tap())
+
+    def records(self, norm: ChannelNorm) -> bool:
+        return True
+
+    def new_tap(self):
+        raise NotImplementedError
+
+    def flush(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: getattr(module, self.slot).take() for name, module in self.layers.items()
+                if getattr(module, self.slot) is not None}
+
+    def close(self) -> None:
+        for module in self.layers.values():
+            setattr(module, self.slot, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> Optional[bool]:
+        self.close()
+        return None
+
+
+class StatisticsRecorder(Recorder):
     """Taps every norm of a model; use as a context manager or call ``close()``.
 
     ``flush()`` returns ``{layer_name: {"act": (T, C), "grad": (T, C), "skip": (T,),
@@ -55,31 +95,8 @@ class StatisticsRecorder:
     grad if a backward is pending).
     """
 
-    def __init__(self, model: nn.Module):
-        self.layers = {name: module for name, module in model.named_modules()
-                       if isinstance(module, ChannelNorm)}
-        if not self.layers:
-            raise ValueError("the model has no unnorm norm layer to record; build it with "
-                             "unnorm.build_norm / swap_norms first")
-        for module in self.layers.values():
-            if module._tap is not None:
-                raise RuntimeError("this model is already being recorded")
-            module._tap = LayerTap()
-
-    def flush(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {name: module._tap.take() for name, module in self.layers.items()
-                if module._tap is not None}
-
-    def close(self) -> None:
-        for module in self.layers.values():
-            module._tap = None
-
-    def __enter__(self) -> "StatisticsRecorder":
-        return self
-
-    def __exit__(self, *exc) -> Optional[bool]:
-        self.close()
-        return None
+    def new_tap(self) -> LayerTap:
+        return LayerTap()
 
 
 def record_statistics(model: nn.Module) -> StatisticsRecorder:

@@ -60,7 +60,9 @@ class UnifiedNorm(EstimatedNorm):
                 f"{self.bwd_buffer.shape[0]}), warmup={self.warmup_iters}, "
                 f"momentum={self.momentum}, outlier_filtration={self.outlier_filtration}")
 
-    def _plan_step(self, s, t):
+    def _plan_step(self, s, t, skip=None):
+        """``skip``: a recorded outlier decision to take instead of testing the bound (a
+        replay, whose channels may be a subset of the layer's: the test needs them all)."""
         window, eps = self.fwd_buffer, self.eps
         size = window.shape[0]
         one_slot = size == 1  # the release treats a one-slot window as always skipped
@@ -71,10 +73,12 @@ class UnifiedNorm(EstimatedNorm):
         if one_slot:
             plan.skip = torch.ones_like(after_warmup)
         elif self.outlier_filtration:
-            roots = window.sqrt()  # the bound uses the window BEFORE s_t is written
-            prev_var = roots.var(dim=0) if self.outlier_var_per_channel else roots.var()
-            gap = written.mean(dim=0) - geometric
-            plan.skip = after_warmup & (gap > self.outlier_threshold * prev_var).any()
+            if skip is None:
+                roots = window.sqrt()  # the bound uses the window BEFORE s_t is written
+                prev_var = roots.var(dim=0) if self.outlier_var_per_channel else roots.var()
+                gap = written.mean(dim=0) - geometric
+                skip = after_warmup & (gap > self.outlier_threshold * prev_var).any()
+            plan.skip = skip
             written = with_slot(window, t, torch.where(plan.skip, self.running_var, s))
             plan.state["num_skipped"] = self.num_skipped + plan.skip.long()
         v = s
@@ -85,6 +89,7 @@ class UnifiedNorm(EstimatedNorm):
             factor = compensation_factor(v, self.running_var, eps)
             plan.r = plan.where_skipped(torch.ones_like(v),
                                         torch.where(compensating, factor, torch.ones_like(v)))
+        plan.statistic = v
         plan.inv_std = plan.inv_std_bwd = torch.rsqrt(v + eps)
         alpha = self.momentum
         plan.state.update(fwd_buffer=written, running_var=alpha * self.running_var + (1 - alpha) * v)
@@ -99,6 +104,18 @@ class UnifiedNorm(EstimatedNorm):
             m = plan.where_skipped(q, torch.where(averaging, written.mean(dim=0), q))
         ema = alpha * self.ema_grad + (1 - alpha) * m if self.bwd_ema else m
         return plan.where_skipped(m, ema), {"bwd_buffer": written, "ema_grad": ema}
+
+    @torch.no_grad()
+    def replay_step(self, second_moment: torch.Tensor, grad_stat: torch.Tensor,
+                    skipped: torch.Tensor, clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance the state by one recorded training step, by the training step's own update:
+        from its s_t, q_t, outlier flag and whether it was committed (``unnorm.record_statistics``
+        records all four; the flag counts where the layer filters outliers, elsewhere its rule
+        decides). Returns ``(v, psi)``. ``analysis.estimates`` replays runs with it."""
+        plan = self._plan_step(second_moment, self.num_iters + 1, skipped)
+        psi, state = self._gradient_estimate(grad_stat, plan)
+        self._commit_step({**plan.state, **state}, clean)
+        return plan.statistic, psi
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_window_shapes(self, state_dict, prefix, ("fwd_buffer", "bwd_buffer"))

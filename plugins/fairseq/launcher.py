@@ -24,7 +24,8 @@ Settings of ``configs/train.yaml``, as translation takes them:
   the command line sets ``recipe.train.update_freq``.
 * ``init_from`` fine-tunes from a translation run's checkpoint (``reset_norm_steps`` restarts
   UN/MABN/PN step counters as ``unnorm.reset_steps`` does); ``logger`` receives fairseq's
-  records; ``compile``, ``record_statistics`` and ``scale.max_steps_per_epoch`` are refused.
+  records; ``compile``, ``record_statistics``, ``record_gns`` and ``scale.max_steps_per_epoch``
+  are refused.
 * Checkpoints given from outside (``init_from``, the ``resume`` directory's) are read without
   running their pickle (``plugins.fairseq.checkpoints``) before fairseq loads them;
   ``trust_checkpoint=true`` is the opt-in for files that need more.
@@ -113,7 +114,7 @@ def _container(node: Optional[DictConfig]) -> dict:
 
 def check_settings(cfg: DictConfig) -> None:
     """Refuse, naming the fix, every setting translation cannot honour."""
-    for option in ("record_statistics", "compile"):
+    for option in ("record_statistics", "record_gns", "compile"):
         if cfg[option]:
             raise ValueError(f"{option}=true is supported by classification and torchvision "
                              "detection; drop it for translation (fairseq trains the model)")

@@ -144,7 +144,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                                  norm_position=cfg.model.norm_position, corpus=corpus.record(),
                                  batch_size=recipe.batch_size, context=context,
                                  accumulate=accumulate, chance=chance_rule(
-                                     "val_loss", unigram_loss(train_set, val_set, corpus.vocab_size),
-                                     "validation loss >= the unigram model's (training-token "
-                                     "frequencies, no context)", lower_is_better=True))},
+                                     "val_loss", unigram_loss(train_set, val_set, corpus.vocab_size)
+                                     - math.log(1.5), "validation perplexity >= the unigram model's "
+                                     "(training-token frequencies, no context) / 1.5",
+                                     lower_is_better=True))},
         init=init)

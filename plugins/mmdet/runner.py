@@ -302,7 +302,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
-    for option in ("record_statistics", "compile"):
+    for option in ("record_statistics", "record_gns", "compile"):
         if cfg[option]:
             raise ValueError(f"{option}=true is supported by model.backend=torchvision; drop it "
                              "for the mmdet backend")
