@@ -13,6 +13,7 @@ two smoothed values. Gray et al. (2024) found the norms' affine parameters alone
 whole model's GNS; the sums here run over those parameters of every norm.
 
     python -m analysis.gns RUN_DIR [--out DIR] [--ema 0.95]     # gns.json and gns.png
+    python -m analysis.gns RUN_DIR... --out DIR      # each run in DIR/<name>/, DIR/summary.md
 """
 from __future__ import annotations
 
@@ -156,20 +157,51 @@ def plot_gns(result: dict, info: dict, path: PathLike) -> Path:
     return save_figure(fig, path)
 
 
+def late_b_simple(result: dict) -> float | None:
+    """The median B_simple over the second half of training's records: one number per run,
+    past the EMAs' start-up."""
+    values = np.array([np.nan if v is None else v for v in result["series"]["b_simple"]])
+    late = values[len(values) // 2:]
+    late = late[np.isfinite(late)]
+    return float(np.median(late)) if len(late) else None
+
+
+def summary(results: dict[str, dict]) -> str:
+    """A markdown table: per run, the batch per update, B_simple late in training and their
+    ratio (below 1: the batch is smaller than the noise scale, each step mostly noise)."""
+    lines = ["| run | batch per update | B_simple (median, 2nd half) | batch / B_simple |",
+             "|---|---:|---:|---:|"]
+    for name, result in results.items():
+        late, batch = late_b_simple(result), result["batch"]["update"]
+        lines.append(f"| {name} | {batch} | {'—' if late is None else f'{late:.0f}'} | "
+                     f"{'—' if not late else f'{batch / late:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="a run trained with record_gns=true")
-    parser.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/analysis")
+    parser.add_argument("run_dirs", type=Path, nargs="+", help="runs trained with record_gns=true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: RUN_DIR/analysis; with several runs, OUT/<run name>/ each "
+                             "and OUT/summary.md")
     parser.add_argument("--ema", type=float, default=0.95,
                         help="alpha of the EMAs of |G|^2 and tr(Sigma) (nanoGNS: 0.95)")
     args = parser.parse_args(argv)
-    out = args.out or args.run_dir / "analysis"
-    result = run_gns(args.run_dir, args.ema)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gns.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot_gns(result, load_run_info(args.run_dir), out / "gns.png")
-    print(json.dumps({key: result[key] for key in ("final", "batch", "dropped")}, indent=1))
-    print(f"wrote {out / 'gns.json'} and {out / 'gns.png'}")
+    several = len(args.run_dirs) > 1
+    if several and args.out is None:
+        parser.error("several runs need --out (their summary goes there)")
+    results = {}
+    for run_dir in args.run_dirs:
+        out = (args.out / run_dir.name if several else args.out) or run_dir / "analysis"
+        result = results[run_dir.name] = run_gns(run_dir, args.ema)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gns.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot_gns(result, load_run_info(run_dir), out / "gns.png")
+        print(json.dumps({key: result[key] for key in ("final", "batch", "dropped")}, indent=1))
+        print(f"wrote {out / 'gns.json'} and {out / 'gns.png'}")
+    if several:
+        (args.out / "summary.md").write_text(summary(results))
+        print(summary(results))
 
 
 if __name__ == "__main__":

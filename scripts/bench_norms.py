@@ -1,14 +1,16 @@
 """Per-layer cost of every norm, eager and compiled, as ratios to LayerNorm, measured side by side.
 
 Two inputs: ViT tokens (64, 196, 384) and Swin stage-1 maps (8, 56, 56, 96), channels last.
-Per norm and mode (eager, ``torch.compile``): one training step (forward, and the backward
-to the input and the parameters) and one inference forward. Every round times each runner
-once in a shuffled order, so drift affects all alike; the report gives medians and their
-ratios to torch's LayerNorm eager, to LayerNorm compiled, and to the faster of the two (the
-fastest LayerNorm a user can run). Estimated norms are timed after their warm-up. ``crms``
-(always measured) is Pre-CRMSNorm's norm (``unnorm.CompressedRMSNorm``) on the stream one
-channel narrower that the exact Pre-LN conversion leaves: with ``rms`` among the norms, the
-conversion's three norms side by side.
+Per norm and mode (eager, ``torch.compile`` unless --no-compile): one training step (forward,
+and the backward to the input and the parameters) and one inference forward. Every round
+times each runner once in a shuffled order, so drift affects all alike; the JSON keeps every
+round's time, and the report gives medians and ratios to our LN eager, to our LN compiled,
+and to the fastest LN (by median: ours eager or compiled, or torch's eager LayerNorm), each
+the median of per-round ratios with its bootstrap 95% interval (``benchmark.paired_ratio``).
+Estimated norms are timed after their warm-up. ``crms`` (always measured) is Pre-CRMSNorm's
+norm (``unnorm.CompressedRMSNorm``) on the stream one channel narrower that the exact Pre-LN
+conversion leaves: with ``rms`` among the norms, the conversion's three norms side by side.
+``nonorm`` (always measured) is the limit of the noise check (``benchmark.noise_check``).
 
     python scripts/bench_norms.py                         # both shapes, every norm
     python scripts/bench_norms.py --shapes tokens --norms ln un --rounds 50
@@ -17,20 +19,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import unnorm
 from benchmark import (  # scripts/: shared by the benchmarks
+    SPREAD,
     add_shared_options,
+    command,
     compile_side_by_side,
+    context,
+    interval,
     ln_first,
     machine,
-    synchronize,
+    noise_check,
+    noise_verdict,
+    paired_ratio,
+    parse_shared,
+    timed_rounds,
 )
 
 SHAPES = {"tokens": (64, 196, 384), "swin_stage1": (8, 56, 56, 96)}
@@ -74,74 +83,84 @@ def runners(name: str, channels: int, x: torch.Tensor, dy: torch.Tensor, compile
     return closures(train_norm, eval_norm, x, dy)
 
 
-def measure(shape, norms, args, device) -> list[dict]:
+def measure(shape, norms, args, device) -> tuple[list[dict], list[dict]]:
+    """The rows (time ratios: per round, the norm's seconds over the LN's) and the noise checks
+    (``nonorm`` against LN in each mode, train and infer) of one shape."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(shape, generator=gen).to(device).requires_grad_(True)
     dy = torch.randn(shape, generator=gen).to(device)
+    modes = ("eager", "compiled") if args.compile else ("eager",)
     steps = {}
     for name in [*norms, "crms"]:
-        for mode in ("eager", "compiled"):
+        for mode in modes:
             train_step, inference = runners(name, shape[-1], x, dy, mode == "compiled")
             steps[(name, mode, "train")], steps[(name, mode, "infer")] = train_step, inference
     steps[("torch_ln", "eager", "train")], steps[("torch_ln", "eager", "infer")] = \
         runners("torch_ln", shape[-1], x, dy, compiled=False)
-    print(f"{shape}: warming up {len(steps)} runners (compiling)...", flush=True)
+    print(f"{shape}: warming up {len(steps)} runners{' (compiling)' * args.compile}...",
+          flush=True)
     for fn in steps.values():
         for _ in range(args.warmup):
             fn()
-    times = {key: [] for key in steps}
-    order = list(steps)
-    for _ in range(args.rounds):
-        random.shuffle(order)
-        for key in order:
-            synchronize(device)
-            start = time.perf_counter()
-            steps[key]()
-            synchronize(device)
-            times[key].append(time.perf_counter() - start)
-    median = {key: statistics.median(values) for key, values in times.items()}
+    times = timed_rounds(steps, args.rounds, device)
+    fastest = {kind: min((key for key in times if key[0] in ("ln", "torch_ln") and key[2] == kind),
+                         key=lambda key: statistics.median(times[key]))
+               for kind in ("train", "infer")}
     rows = []
-    for (name, mode, kind), seconds in sorted(median.items()):
-        eager_ln, compiled_ln = median[("ln", "eager", kind)], median[("ln", "compiled", kind)]
-        fastest = min(eager_ln, compiled_ln, median[("torch_ln", "eager", kind)])
+    for (name, mode, kind), seconds in sorted(times.items()):
         rows.append({"shape": list(shape), "norm": name, "mode": mode, "kind": kind,
-                     "ms": 1e3 * seconds, "vs_ln_eager": seconds / eager_ln,
-                     "vs_ln_compiled": seconds / compiled_ln, "vs_fastest_ln": seconds / fastest})
-    return rows
+                     "round_s": seconds, "ms": 1e3 * statistics.median(seconds),
+                     **{f"vs_ln_{ln_mode}": paired_ratio(seconds, times[("ln", ln_mode, kind)])
+                        for ln_mode in modes},
+                     "fastest_ln": " ".join(fastest[kind][:2]),
+                     "vs_fastest_ln": paired_ratio(seconds, times[fastest[kind]])})
+    checks = [noise_check(f"{'x'.join(map(str, shape))} {mode} {kind}", times[("ln", mode, kind)],
+                          times[("nonorm", mode, kind)])
+              for mode in modes for kind in ("train", "infer")]
+    return rows, checks
 
 
 def report(rows) -> str:
-    lines = ["| shape | norm | mode | train ms | x fastest LN | infer ms | x fastest LN |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    ci = "median [95% bootstrap CI]"
+    lines = [f"| shape | norm | mode | train ms | train x fastest LN, {ci} | infer ms "
+             f"| infer x fastest LN, {ci} |", "|---|---|---|---:|---:|---:|---:|"]
     by = {(tuple(r["shape"]), r["norm"], r["mode"], r["kind"]): r for r in rows}
     for shape, name, mode, kind in by:
         if kind != "train":
             continue
         train, infer = by[(shape, name, mode, "train")], by[(shape, name, mode, "infer")]
         lines.append(f"| {'x'.join(map(str, shape))} | {name} | {mode} | {train['ms']:.2f} | "
-                     f"{train['vs_fastest_ln']:.2f} | {infer['ms']:.2f} | {infer['vs_fastest_ln']:.2f} |")
+                     f"{interval(train['vs_fastest_ln'], 2)} | {infer['ms']:.2f} | "
+                     f"{interval(infer['vs_fastest_ln'], 2)} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    add_shared_options(parser, "--norms", rounds=30, warmup=5,
+    add_shared_options(parser, "--norms", rounds=(30, 30), warmup=5,
                        out_help="JSON file (default results/benchmarks/norms_<device>.json)")
-    args = parser.parse_args()
-    args.norms = ln_first(args.norms)
+    args = parse_shared(parser)
+    norms = ln_first(args.norms)
+    if "nonorm" not in norms:
+        norms.append("nonorm")
     device = torch.device(args.device)
+    run_context = context()
     compile_side_by_side()
-    rows = [row for shape in args.shapes for row in measure(SHAPES[shape], args.norms, args, device)]
+    rows, checks = [], []
+    for shape in args.shapes:
+        shape_rows, shape_checks = measure(SHAPES[shape], norms, args, device)
+        rows, checks = rows + shape_rows, checks + shape_checks
+    run_context["load_after"] = list(os.getloadavg())
     table = report(rows)
     print(table)
+    verdict = noise_verdict(checks, args.rounds)
     out = args.out or Path("results/benchmarks") / f"norms_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": machine(device), "torch": torch.__version__,
                                "cuda": torch.version.cuda if device.type == "cuda" else None,
-                               "rounds": args.rounds, "command": "python scripts/bench_norms.py "
-                               + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                          if k not in ("out",) and not isinstance(v, list)),
+                               "rounds": args.rounds, "command": command(), "context": run_context,
+                               "spread": SPREAD, "noise_check": verdict, "noise_checks": checks,
                                "results": rows, "table": table}, indent=2))
     print(f"wrote {out}")
 

@@ -19,22 +19,30 @@ LLaMA-71M (``plugins.lm``; throughput in sequences of ``--lm-context`` tokens) a
 and Pre-CRMSNorm (``plugins.lm.convert``), beside ``ln``; its folds are ``plugins.lm.fold``'s.
 Training: one optimizer step of every norm's classifier, compiled unless --no-compile (LN
 compiled is the baseline), the norms past their warm-ups. Rounds interleave the variants in
-a shuffled order so drift affects all alike; medians are reported. Peak memory: GPU max
-allocated, or on CPU the peak RSS during inference of a fresh subprocess per variant
-(weights and activations on top of the loaded libraries).
+a shuffled order so drift affects all alike. The JSON keeps every round's time; a ratio is
+the median of per-round ratios (variant and baseline timed in the same round), with the
+bootstrap 95% interval of that median (``paired_ratio``). The noise check (``noise_check``)
+fails, with a warning, when the no-norm limit measures slower than LN beyond that interval.
+Peak memory: GPU max allocated, or on CPU the peak RSS during inference of a fresh subprocess
+per variant (weights and activations on top of the loaded libraries).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -65,6 +73,12 @@ STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_st
           "pn": {"warmup_iters": 0}, "pn_ls": {"warmup_iters": 0},
           "prepbn": {"warmup_iters": 0, "decay_iters": 10 ** 9}}
 COCO_IMAGE = (480, 640)  # a typical COCO image; the detector resizes it to 800 x 1066
+BOOTSTRAP = 10_000  # resamples of the per-round ratios
+# default --rounds on a CPU. Measured on the 2-core CPU under load: 3 paired rounds passed
+# the noise check; 15 bounded no-norm/LN within +-1% (Swin-T) to +-3% (T2T-ViT-14), and
+# resolving the ~2% effects claimed asks for more
+CPU_ROUNDS = 20
+SPREAD = "bootstrap 95% interval (2.5-97.5 percentiles) of the median of per-round ratios"
 
 
 def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
@@ -92,16 +106,54 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
     return net.to(device)
 
 
-def add_shared_options(parser: argparse.ArgumentParser, norms_flag: str, rounds: int, warmup: int,
-                       norms_help: str | None = None, out_help: str | None = None) -> None:
+def add_shared_options(parser: argparse.ArgumentParser, norms_flag: str,
+                       rounds: tuple[int, int], warmup: int, norms_help: str | None = None,
+                       out_help: str | None = None) -> None:
     """The options of both benchmarks (this one and bench_norms.py): the norms to measure, the
-    timed rounds and the untimed warm-up calls before them, the device, the JSON written."""
+    timed rounds (``rounds``: the GPU's and the CPU's default) and the untimed warm-up calls
+    before them, the device, compiling, the JSON written. Parse with ``parse_shared``."""
     parser.add_argument(norms_flag, nargs="+", default=unnorm.available_norms(),
                         choices=unnorm.available_norms(), help=norms_help)
-    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"timed rounds (default: GPU {rounds[0]}, CPU {rounds[1]})")
+    parser.set_defaults(default_rounds=rounds)
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=None, help=out_help)
+
+
+def parse_shared(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with the device's default rounds; fewer than 2 rounds have no spread."""
+    args = parser.parse_args()
+    gpu_rounds, cpu_rounds = args.default_rounds
+    default = gpu_rounds if args.device.startswith("cuda") else cpu_rounds
+    args.rounds = default if args.rounds is None else args.rounds
+    if args.rounds < 2:
+        parser.error(f"--rounds {args.rounds}: a ratio's spread needs at least 2 rounds "
+                     f"(the default on this device is {default})")
+    return args
+
+
+def context() -> dict:
+    """What a record's times depend on besides the code: the commit (``git_dirty``: tracked
+    files outside results/ differ from it), the date, the CPUs and torch's threads. The 1, 5 and
+    15-minute load averages are taken at the start (``load_before``: others' load) and after
+    the last timed round (``load_after``, which includes this benchmark's own threads)."""
+    def git(*command):
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+    head = git("rev-parse", "HEAD")
+    known = head.returncode == 0
+    return {"git_commit": head.stdout.strip() if known else None,
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":!results").stdout.strip()) if known else None,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_before": list(os.getloadavg()), "load_after": None}
+
+
+def command() -> str:
+    return shlex.join(["python", *sys.argv])
 
 
 def ln_first(norms: list[str]) -> list[str]:
@@ -129,6 +181,61 @@ def time_batches(fn, batches: int, device: torch.device) -> float:
         fn()
     synchronize(device)
     return time.perf_counter() - start
+
+
+def timed_rounds(runners: dict, rounds: int, device: torch.device, batches: int = 1) -> dict:
+    """Each runner's seconds for ``batches`` calls, one per round: every round times all the
+    runners in a fresh shuffled order, so drift affects all alike and a round's times pair."""
+    times = {key: [] for key in runners}
+    order = list(runners)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for key in order:
+            times[key].append(time_batches(runners[key], batches, device))
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> dict:
+    """``{"median", "lo", "hi"}`` of the per-round ratios ``numerator[r] / denominator[r]``:
+    both were timed in round r, so drift between rounds cancels. lo and hi bound the bootstrap
+    95% interval of the median; unlike the interquartile range it narrows as rounds are added,
+    so it tells whether a run resolves an effect. Seeded: a record reproduces its intervals."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError(f"paired ratios need as many rounds on each side, at least one: "
+                         f"got {len(numerator)} and {len(denominator)}")
+    ratios = np.asarray(numerator, dtype=np.float64) / np.asarray(denominator, dtype=np.float64)
+    resampled = np.random.default_rng(0).choice(ratios, (BOOTSTRAP, len(ratios)))
+    lo, hi = np.percentile(np.median(resampled, axis=1), [2.5, 97.5])
+    return {"median": float(np.median(ratios)), "lo": float(lo), "hi": float(hi)}
+
+
+def interval(ratio: dict, digits: int = 3) -> str:
+    """``median [lo, hi]``, as the tables print a ratio."""
+    return f"{ratio['median']:.{digits}f} [{ratio['lo']:.{digits}f}, {ratio['hi']:.{digits}f}]"
+
+
+def noise_check(name: str, ln_s: list[float], limit_s: list[float]) -> dict:
+    """Removing the norm cannot slow a model down, so the no-norm limit's throughput ratio to
+    LN (per round, LN's seconds over the limit's) must reach 1.0 within its interval; if it
+    does not, the noise exceeds the effects the run would report."""
+    ratio = paired_ratio(ln_s, limit_s)
+    return {"name": name, "limit_vs_ln_throughput": ratio,
+            "status": "passed" if ratio["hi"] >= 1.0 else "failed"}
+
+
+def noise_verdict(checks: list[dict], rounds: int) -> str:
+    """Prints every check, warns about each failed one; ``"failed"`` if any failed."""
+    print(f"noise check: the no-norm limit's throughput / LN's, {SPREAD}; it must reach 1.0")
+    for check in checks:
+        print(f"  {check['name']}: {interval(check['limit_vs_ln_throughput'])} {check['status']}")
+    failed = [check["name"] for check in checks if check["status"] == "failed"]
+    if failed:
+        print(f"WARNING: the no-norm limit measured slower than LN beyond its spread "
+              f"({', '.join(failed)}): the noise exceeds the effects, so no ratio of this run "
+              f"resolves a few per cent. "
+              f"Re-run with more --rounds (this run: {rounds}) or on a quieter machine "
+              f"(load averages before and after are in the JSON's context).", file=sys.stderr)
+    return "failed" if failed else "passed"
 
 
 def machine(device: torch.device) -> str:
@@ -179,22 +286,21 @@ def inference(args, device) -> list[dict]:
             if device.type == "cuda":
                 synchronize(device)
                 memory[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-        times = {key: [] for key in runners}
-        order = list(runners)
-        for _ in range(args.rounds):
-            random.shuffle(order)
-            for key in order:
-                times[key].append(time_batches(lambda: runners[key](images[key[0]]), args.batches,
-                                               device))
+        calls = {key: functools.partial(fn, images[key[0]]) for key, fn in runners.items()}
+        times = timed_rounds(calls, args.rounds, device, args.batches)
     if device.type == "cpu":
         for model in args.models:
             for variant in variants(model):
                 memory[(model, variant, "eager")] = cpu_peak_rss(model, variant, args)
     rows = []
-    for (model, variant, mode), values in times.items():
+    for (model, variant, mode), seconds in times.items():
         batch = len(images[model])
+        # throughput ratios: per round, the baseline's seconds over the variant's
         rows.append({"model": model, "variant": variant, "mode": mode, "batch": batch,
-                     "images_per_s": batch * args.batches / statistics.median(values),
+                     "round_s": seconds,
+                     "images_per_s": batch * args.batches / statistics.median(seconds),
+                     "vs_ln": paired_ratio(times[(model, "ln", mode)], seconds),
+                     "vs_no_norm": paired_ratio(times[(model, "no_norm", mode)], seconds),
                      "peak_mem_mb": memory.get((model, variant, mode))})
     return rows
 
@@ -224,8 +330,8 @@ def rss_probe(model: str, variant: str, args) -> None:
 
 
 def training(args, device) -> list[dict]:
-    """Median time of one optimizer step per norm (random labels), interleaved; the model
-    compiled unless --no-compile."""
+    """Time of one optimizer step per norm (random labels), interleaved, and its ratio to LN's
+    (step time over LN's, per round); the model compiled unless --no-compile."""
     images = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device)
     labels = torch.randint(0, 1000, (args.train_batch,), device=device)
     tokens = torch.randint(0, LM_VOCAB, (args.train_batch, args.lm_context), device=device)
@@ -255,31 +361,39 @@ def training(args, device) -> list[dict]:
             for _ in range(args.warmup):
                 step()
             steps[(model, norm)] = step
-    times = {key: [] for key in steps}
-    order = list(steps)
-    for _ in range(args.rounds):
-        random.shuffle(order)
-        for key in order:
-            times[key].append(time_batches(steps[key], 1, device))
+    times = timed_rounds(steps, args.rounds, device)
     mode = "compile" if args.compile else "eager"
-    return [{"model": model, "norm": norm, "mode": mode, "step_ms": 1e3 * statistics.median(values)}
-            for (model, norm), values in times.items()]
+    return [{"model": model, "norm": norm, "mode": mode, "round_s": seconds,
+             "step_ms": 1e3 * statistics.median(seconds),
+             "vs_ln": paired_ratio(seconds, times[(model, "ln")])}
+            for (model, norm), seconds in times.items()]
+
+
+def noise_checks(inference_rows, training_rows) -> list[dict]:
+    """The no-norm limit against LN: every model's inference in every mode, and its training
+    step where ``nonorm`` was among the timed norms."""
+    rows = [((r["model"], r["mode"], "inference"), r["variant"], r["round_s"])
+            for r in inference_rows]
+    rows += [((r["model"], r["mode"], "training step"), r["norm"], r["round_s"])
+             for r in training_rows]
+    ln = {key: seconds for key, name, seconds in rows if name == "ln"}
+    return [noise_check(" ".join(key), ln[key], seconds) for key, name, seconds in rows
+            if name in ("no_norm", "nonorm")]
 
 
 def report(inference_rows, training_rows) -> str:
-    lines = ["| model | variant | mode | images (LM: sequences)/s | vs LN | vs no-norm | peak MB |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    speed = {(r["model"], r["variant"], r["mode"]): r["images_per_s"] for r in inference_rows}
+    ci = "median [95% bootstrap CI]"
+    lines = [f"| model | variant | mode | images (LM: sequences)/s | vs LN, {ci} "
+             f"| vs no-norm, {ci} | peak MB |", "|---|---|---|---:|---:|---:|---:|"]
     for r in inference_rows:
-        ln, limit = speed[(r["model"], "ln", r["mode"])], speed[(r["model"], "no_norm", r["mode"])]
         mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
         lines.append(f"| {r['model']} | {r['variant']} | {r['mode']} | {r['images_per_s']:.1f} | "
-                     f"{r['images_per_s'] / ln:.3f} | {r['images_per_s'] / limit:.3f} | {mem} |")
-    lines += ["", "| model | norm | mode | train step ms | vs LN |", "|---|---|---|---:|---:|"]
-    step = {(r["model"], r["norm"]): r["step_ms"] for r in training_rows}
+                     f"{interval(r['vs_ln'])} | {interval(r['vs_no_norm'])} | {mem} |")
+    lines += ["", f"| model | norm | mode | train step ms | vs LN, {ci} |",
+              "|---|---|---|---:|---:|"]
     for r in training_rows:
         lines.append(f"| {r['model']} | {r['norm']} | {r['mode']} | {r['step_ms']:.1f} | "
-                     f"{r['step_ms'] / step[(r['model'], 'ln')]:.3f} |")
+                     f"{interval(r['vs_ln'])} |")
     return "\n".join(lines)
 
 
@@ -292,11 +406,10 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--lm-context", type=int, default=256, help="LM sequence length (Mix-LN's)")
     parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    add_shared_options(parser, "--train-norms", rounds=7, warmup=3,
+    add_shared_options(parser, "--train-norms", rounds=(7, CPU_ROUNDS), warmup=3,
                        norms_help="norms whose training step is timed (LN always, as the baseline)")
     parser.add_argument("--rss-probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_shared(parser)
     args.train_norms = ln_first(args.train_norms)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -305,13 +418,17 @@ def main() -> None:
     args.batches = args.batches or (10 if gpu else 2)
     if args.rss_probe:
         return rss_probe(*args.rss_probe, args)
+    run_context = context()
     compile_side_by_side()
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     inference_rows = inference(args, device)
     training_rows = training(args, device)
+    run_context["load_after"] = list(os.getloadavg())
     table = report(inference_rows, training_rows)
     print(table)
+    checks = noise_checks(inference_rows, training_rows)
+    verdict = noise_verdict(checks, args.rounds)
     out = args.out or ROOT / "results" / "benchmarks" / f"inference_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -319,8 +436,8 @@ def main() -> None:
         "cuda": torch.version.cuda if gpu else None, "batch": args.batch,
         "det_batch": args.det_batch,
         "train_batch": args.train_batch, "img_size": args.img_size, "lm_context": args.lm_context,
-        "rounds": args.rounds,
-        "batches_per_round": args.batches, "command": " ".join(sys.argv),
+        "rounds": args.rounds, "batches_per_round": args.batches, "command": command(),
+        "context": run_context, "spread": SPREAD, "noise_check": verdict, "noise_checks": checks,
         "inference": inference_rows, "training": training_rows, "table": table}, indent=2))
     print(f"wrote {out}")
 

@@ -285,3 +285,13 @@ def test_classification_run_writes_records_that_analysis_reads(tmp_path):
     assert series["update"] == [1, 2, 3]
     assert all(small >= big > 0 for small, big in zip(series["small_sq"], series["big_sq"]))
     assert (tmp_path / "out" / "gns.png").stat().st_size > 10_000
+
+
+def test_summary_reports_late_noise_scale_against_the_batch():
+    """One number per run: the median of B_simple over the second half of the records (the
+    first half, EMA start-up, left out), and the batch per update divided by it."""
+    from analysis.gns import late_b_simple, summary
+    result = {"series": {"b_simple": [1000.0, None, 5.0, 7.0, 9.0, None, 8.0, 6.0]},
+              "batch": {"update": 14}}
+    assert late_b_simple(result) == 8.0  # median of 9, 8, 6 (None dropped)
+    assert "| run | 14 | 8 | 1.75 |" in summary({"run": result})

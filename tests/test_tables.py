@@ -220,6 +220,25 @@ def test_holm_adjustment_against_hand_computed_values():
     assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
 
 
+def test_table8_prints_speedups_with_their_interval_beside_the_no_norm_limit(tmp_path):
+    """A benchmark record with per-round paired ratios shows each speed-up as median and 95%
+    interval, and the no-norm limit of the same model and mode beside it."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    ratio = lambda median, lo, hi: {"median": median, "lo": lo, "hi": hi}  # noqa: E731
+    rows = [{"model": "swin_t", "variant": v, "mode": "eager", "batch": 8, "images_per_s": ips,
+             "peak_mem_mb": 100.0, "vs_ln": r} for v, ips, r in
+            (("ln", 10.0, ratio(1, 1, 1)), ("un_folded", 10.5, ratio(1.05, 1.038, 1.064)),
+             ("no_norm", 10.8, ratio(1.08, 1.06, 1.11)))]
+    (bench / "inference_cpu.json").write_text(json.dumps({"device": "cpu", "batch": 8, "inference": rows}))
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(tmp_path / "none"),
+                           "--out", str(tmp_path / "out"), "--benchmarks", str(bench)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    row = table_row((tmp_path / "out" / "tables.md").read_text(), "Table 8", "ours swin_t eager bs8 (cpu)")
+    assert row[1] == "UN folded" and row[-2:] == ["+5.0% [+3.8%, +6.4%]", "+8.0% [+6.0%, +11.0%]"]
+
+
 def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
     """``make_tables`` on the committed runs gives the committed tables: every number in them
     can be traced to a committed result.json."""
