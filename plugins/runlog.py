@@ -183,10 +183,13 @@ TRANSLATION_CHANCE = chance_rule("bleu", 1.0, "BLEU <= 1 (a model that learned n
 
 
 def at_chance(metrics: dict, chance: Optional[dict]) -> bool:
-    """Whether ``metrics`` is no better than the ``chance_rule`` entry ``chance``."""
+    """Whether ``metrics`` is no better than the ``chance_rule`` entry ``chance`` (a
+    non-finite metric learned nothing either)."""
     if not chance or chance["metric"] not in metrics:
         return False
     value = metrics[chance["metric"]]
+    if not math.isfinite(value):
+        return True
     return value >= chance["threshold"] if chance["lower_is_better"] else value <= chance["threshold"]
 
 

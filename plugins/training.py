@@ -312,15 +312,16 @@ def data_parallel(model: nn.Module, device: torch.device) -> DistributedDataPara
                                    **per_replica_buffers())
 
 
-def merge_records(chunks: list[dict]) -> dict:
+def merge_records(chunks: list[dict], cat=torch.cat) -> dict:
     """One epoch's flushed chunks of per-step records (``{layer: {key: (T, ...)}}``), each
-    key's steps concatenated (a GNS record's per-example rows zero-padded to the widest)."""
+    key's steps joined by ``cat`` (GNS records: ``cat_padded``, per-example rows zero-padded
+    to the widest; statistics must agree in width)."""
     merged: dict = {}
     for chunk in chunks:
         for layer, values in chunk.items():
             for key, tensor in values.items():
                 merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
-    return {layer: {k: unnorm.gns.cat_padded(v) for k, v in values.items()}
+    return {layer: {k: cat(v) for k, v in values.items()}
             for layer, values in merged.items()}
 
 
@@ -336,5 +337,5 @@ def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> 
     **batch}``, ``batch`` saying how the examples of a step relate to an update's."""
     if run.writer:
         (run.path / "gns").mkdir(exist_ok=True)
-        torch.save({"layers": merge_records(chunks), **batch},
+        torch.save({"layers": merge_records(chunks, unnorm.gns.cat_padded), **batch},
                    run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")

@@ -96,15 +96,16 @@ class Comparisons:
     def __init__(self, digits: int = 1):
         self.digits, self.tests = digits, []
 
-    def add(self, values: list[float], baseline: list[float]) -> int:
-        self.tests.append((values, baseline))
+    def add(self, values: list[float], baseline: list[float], metric: Optional[str] = None) -> int:
+        """Test ``values`` against ``baseline``; ``metric`` sets the decimals shown (DIGITS)."""
+        self.tests.append((values, baseline, self.digits if metric is None else DIGITS.get(metric, 1)))
         return len(self.tests) - 1
 
     def results(self) -> list[Optional[tuple[float, Optional[float]]]]:
         """Per test: ``(difference, p)``; p None without spread; None with fewer than two
         runs on a side."""
         out = []
-        for values, baseline in self.tests:
+        for values, baseline, _ in self.tests:
             if len(values) < 2 or len(baseline) < 2:
                 out.append(None)
                 continue
@@ -127,12 +128,12 @@ class Comparisons:
             if result is None:
                 texts.append("—")
                 continue
-            difference, p = result
+            (difference, p), digits = result, self.tests[index][2]
             if p is None:
-                texts.append(f"{difference:+.{self.digits}f} (no spread: no test)")
+                texts.append(f"{difference:+.{digits}f} (no spread: no test)")
                 continue
             mark = "**" if adjusted[index] < 0.05 else "*" if p < 0.05 else ""
-            texts.append(f"{difference:+.{self.digits}f} (p={p:.2g}){mark}")
+            texts.append(f"{difference:+.{digits}f} (p={p:.2g}){mark}")
         return texts
 
     def note(self) -> str:
@@ -183,7 +184,8 @@ def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
             cell = cells[(norm, column)]
             text = f"{paper_text(paper.get(method, {}).get(column))} / {cell.text(metric)}"
             row.append(text if norm == "ln" else
-                       (text, comparisons.add(cell.values(metric), cells[("ln", column)].values(metric))))
+                       (text, comparisons.add(cell.values(metric), cells[("ln", column)].values(metric),
+                                              metric)))
         if any(_text(cell) != "— / —" for cell in row[1:]):
             rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs LN "),
@@ -215,7 +217,7 @@ def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
             cell = Cell([r for r in group if _same(option_value(r, key), v)])
             has_default = any(not changes(r) for r in cell.runs)
             row.append(cell.text(metric) if has_default or not cell.runs else
-                       (cell.text(metric), comparisons.add(cell.values(metric), default)))
+                       (cell.text(metric), comparisons.add(cell.values(metric), default, metric)))
         rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs default "),
                  [f"ours: vs default: against UN as configured (the column holding its runs). "
@@ -249,7 +251,8 @@ def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
             cell = Cell([r for r in un if where(r) == place and changes(r) == wanted])
             default = Cell([r for r in un if where(r) == place and not changes(r)])
             row.append(cell.text(metric) if not wanted or not cell.runs else
-                       (cell.text(metric), comparisons.add(cell.values(metric), default.values(metric))))
+                       (cell.text(metric), comparisons.add(cell.values(metric), default.values(metric),
+                                                           metric)))
         rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs Exp1 "),
                  [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}"])
@@ -263,23 +266,29 @@ def stability_tables(runs: list[dict]) -> list[Table]:
         metric = TASK_METRIC[task]
         multiples = sorted({m for cells in settings.values() for m in cells})
         comparisons = Comparisons(DIGITS.get(metric, 1))
+        reference = reference_method(task)
         rows = []
         for label in sorted(settings, key=method_order):
             row: list = [label]
             for m in multiples:
                 cell = Cell(settings[label].get(m, []))
-                baseline = Cell(settings.get("LN", {}).get(m, []))
-                row.append(cell.text(metric) if label == "LN" or not cell.runs else
+                baseline = Cell(settings.get(reference, {}).get(m, []))
+                row.append(cell.text(metric) if label == reference or not cell.runs else
                            (cell.text(metric), comparisons.add(cell.values(metric), baseline.values(metric))))
             rows.append(row)
         tables.append(Table(f"Stability: {model} {data}, {metric} by learning-rate multiple",
                             ["setting"] + [f"{m:g}x lr" for m in multiples],
-                            with_tests(rows, comparisons, "; vs LN "),
+                            with_tests(rows, comparisons, f"; vs {reference} "),
                             ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
                              "chance k/n: k finished no better than chance; the number is the mean "
-                             "of the others. vs LN: against LN at the same multiple.",
+                             f"of the others. vs {reference}: against {reference} at the same multiple.",
                              comparisons.note()]))
     return tables
+
+
+def reference_method(task: str) -> str:
+    """The setting every method is tested against: LN (a language model's: Pre-LN)."""
+    return "Pre-LN" if task == "language_modelling" else "LN"
 
 
 def settings_tables(runs: list[dict]) -> list[Table]:
@@ -293,7 +302,7 @@ def settings_tables(runs: list[dict]) -> list[Table]:
         metric = TASK_METRIC[task]
         labels = sorted({setting(r) for r in group}, key=method_order)
         cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
-        reference = "Pre-LN" if task == "language_modelling" else "LN"
+        reference = reference_method(task)
         comparisons = Comparisons(DIGITS.get(metric, 1))
         rows = []
         for label, cell in cells.items():

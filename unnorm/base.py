@@ -37,6 +37,10 @@ class ChannelNorm(nn.Module):
     #: the learnable per-channel affine: the parameters whose per-example gradients give the
     #: gradient noise scale (``unnorm.gns``)
     affine_names: tuple[str, ...] = ("weight", "bias")
+    #: the statistics and gradient-noise-scale taps while recording (unnorm.stats, unnorm.gns);
+    #: class defaults, so a module pickled before either existed still runs
+    _tap = None
+    _gns = None
 
     def __init__(self, num_features: int, eps: float = 1e-5, bias: bool = True, device=None,
                  dtype=None):
@@ -53,8 +57,6 @@ class ChannelNorm(nn.Module):
         # bias=False: no shift, as torch's LayerNorm(bias=False) and Llama's RMSNorm
         self.register_parameter("bias", nn.Parameter(torch.zeros(num_features, **factory))
                                 if bias else None)
-        self._tap = None  # a statistics tap (unnorm.stats) while recording, else None
-        self._gns = None  # a gradient-noise-scale tap (unnorm.gns) while recording, else None
 
     @classmethod
     def offline_for(cls, **options) -> bool:
