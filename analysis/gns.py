@@ -37,12 +37,17 @@ BATCH_KEYS = ("batch_size", "accumulate", "replicas")
 def load_gns(run_dir: PathLike) -> dict:
     """``{"layers": {layer: {"example_sq": (S, B), "batch_sq": (S,), "examples": (S,)}},
     "batch_size", "accumulate", "replicas"}`` over all epochs: S records, one per micro-batch.
-    Refuses epochs whose layers or batch settings differ (concatenating them would mix runs)."""
+    Refuses epochs whose layers or batch settings differ (concatenating them would mix runs).
+    A run batched by tokens (translation) records as ``batch_size`` its epoch's mean examples
+    per micro-batch, a float that differs between epochs: the run's is their mean over records."""
     parts: dict[str, dict[str, list[torch.Tensor]]] = {}
-    batch = None
+    batch, means = None, []
     for path in epoch_files(run_dir, "gns", "record_gns"):
         epoch = torch.load(path, map_location="cpu", weights_only=True)
         settings = {key: epoch[key] for key in BATCH_KEYS}
+        if isinstance(settings["batch_size"], float):
+            means.append((settings["batch_size"], len(next(iter(epoch["layers"].values()))["batch_sq"])))
+            settings["batch_size"] = "mean"
         if parts and (set(epoch["layers"]) != set(parts) or settings != batch):
             raise ValueError(f"{path}: its layers or batch settings ({settings}) differ from the "
                              f"earlier epochs' ({batch}); were two runs written to one directory?")
@@ -50,6 +55,8 @@ def load_gns(run_dir: PathLike) -> dict:
         for layer, values in epoch["layers"].items():
             for key, tensor in values.items():
                 parts.setdefault(layer, {}).setdefault(key, []).append(tensor)
+    if means:
+        batch["batch_size"] = sum(size * records for size, records in means) / sum(r for _, r in means)
     return {"layers": {layer: {key: cat_padded(chunks) for key, chunks in values.items()}
                        for layer, values in parts.items()}, **batch}
 
@@ -145,7 +152,7 @@ def plot_gns(result: dict, info: dict, path: PathLike) -> Path:
     ax.plot(updates, b_simple, color="tab:blue", linewidth=1.2,
             label=f"$B_{{simple}}$ (EMA {result['ema']} of each estimate)")
     ax.axhline(result["batch"]["update"], color="tab:red", linestyle="--",
-               label=f"batch per update ({result['batch']['update']})")
+               label=f"batch per update ({_batch_text(result['batch']['update'])})")
     if np.nanmin(b_simple, initial=np.inf) > 0:
         ax.set_yscale("log")
     ax.set_xlabel("optimizer update" + (f" ({accumulate} micro-batches each)" if accumulate > 1 else ""))
@@ -155,6 +162,11 @@ def plot_gns(result: dict, info: dict, path: PathLike) -> Path:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return save_figure(fig, path)
+
+
+def _batch_text(batch: int | float) -> str:
+    """A batch size as written: a mean one (batches of tokens) to a tenth."""
+    return str(batch) if isinstance(batch, int) else f"{batch:.1f}"
 
 
 def late_b_simple(result: dict) -> float | None:
@@ -173,7 +185,7 @@ def summary(results: dict[str, dict]) -> str:
              "|---|---:|---:|---:|"]
     for name, result in results.items():
         late, batch = late_b_simple(result), result["batch"]["update"]
-        lines.append(f"| {name} | {batch} | {'—' if late is None else f'{late:.0f}'} | "
+        lines.append(f"| {name} | {_batch_text(batch)} | {'—' if late is None else f'{late:.0f}'} | "
                      f"{'—' if not late else f'{batch / late:.2f}'} |")
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,7 @@ of fairseq's environment (the main one cannot import fairseq):
     .venv-fairseq/bin/python tests/fairseq_checks.py skipped-update DATA_BIN
     .venv-fairseq/bin/python tests/fairseq_checks.py loss-scale DATA_BIN
     .venv-fairseq/bin/python tests/fairseq_checks.py norm-state CHECKPOINT
+    .venv-fairseq/bin/python tests/fairseq_checks.py gns DATA_BIN RUN_DIR
 
 Each prints a JSON summary (the tests assert on it) and exits non-zero, with the reason, when
 a check cannot be made.
@@ -309,9 +310,73 @@ def check_norm_state(path: str) -> dict:
     return {"num_iters": sorted({int(v) for k, v in state.items() if k.endswith(".num_iters")})}
 
 
+TRAIN_FLAGS = ("--optimizer", "adam", "--lr", "1e-3", "--criterion", "label_smoothed_cross_entropy",
+               "--label-smoothing", "0.1")
+
+
+def sentence_gradients(model, criterion, sample) -> dict:
+    """Per norm, each sentence's gradient ``(B, P)`` of its own loss (its tokens' summed
+    label-smoothed loss) w.r.t. the norm's weight and bias, through one batch forward."""
+    model.train()
+    losses, _ = criterion.compute_loss(model, model(**sample["net_input"]), sample, reduce=False)
+    per_sentence = losses.view(len(sample["target"]), -1).sum(dim=1)
+    norms = {name: [module.weight, module.bias] for name, module in model.named_modules()
+             if isinstance(module, unnorm.ChannelNorm)}
+    params = [p for pair in norms.values() for p in pair]
+    rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in per_sentence]
+    grads, start = {}, 0
+    for name in norms:
+        grads[name] = torch.stack([torch.cat([g.flatten() for g in row[start:start + 2]]) for row in rows])
+        start += 2
+    return grads
+
+
+def check_gns(data: str, run_dir: str) -> dict:
+    """The trainer's --record-gns records of one update (LN, dropout 0) against each
+    sentence's gradient by autograd, with the norms handed the pad mask and without: the
+    largest relative differences of |g_i|^2 and |mean_i g_i|^2 over every norm, the
+    examples; then under --fp16 (loss scale 64), two updates and a skipped third: the steps
+    kept, and the first step against the float32 trainer's."""
+    summary = {}
+    for mask in ("true", "false"):
+        cfg, task, batches = setup(data, "ln", "--norm-pad-mask", mask, "--record-gns", run_dir, *TRAIN_FLAGS)
+        torch.manual_seed(1)
+        model = task.build_model(cfg.model)
+        reference, criterion = copy.deepcopy(model), task.build_criterion(cfg.criterion)
+        reference.record_gns = None  # recorded by no trainer: autograd's reference
+        trainer = GuardedTrainer(cfg, task, model, criterion)
+        sample = batches[0]
+        trainer.train_step([sample])
+        records = trainer.gns.recorder.flush()
+        exact = sentence_gradients(reference, criterion, sample)
+        summary[f"mask_{mask}"] = {
+            "layers": sorted(records) == sorted(exact) and len(exact),
+            "example_sq": max(relative(records[k]["example_sq"][0], g.square().sum(1)) for k, g in exact.items()),
+            "batch_sq": max(relative(records[k]["batch_sq"][0], g.mean(0).square().sum()) for k, g in exact.items()),
+            "examples": sorted({records[k]["examples"].item() for k in exact}),
+            "sentences": sample["nsentences"], "padded": bool(sample["net_input"]["src_tokens"].eq(1).any())}
+        if mask == "true":
+            float32 = records
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor  # as check_skipped_update
+    trainer, batches = fp16_trainer(data, "ln", "--record-gns", run_dir, "--fp16-init-scale", "64")
+    for batch in batches[:2]:
+        trainer.train_step([batch])
+    handle = overflow_in_head(trainer.get_model())
+    trainer.train_step([batches[2]])
+    handle.remove()
+    records = trainer.gns.recorder.flush()
+    summary["fp16"] = {
+        "updates": trainer.get_num_updates(),
+        "steps": sorted({len(values["batch_sq"]) for values in records.values()}),
+        "examples": records[next(iter(records))]["examples"].tolist(),
+        "sentences": [batch["nsentences"] for batch in batches[:2]],
+        "vs_float32": max(relative(records[k]["example_sq"][0], float32[k]["example_sq"][0]) for k in records)}
+    return summary
+
+
 CHECKS = {"padding": check_padding, "same-weights": check_same_weights, "precision": check_precision,
           "groups": check_groups, "skipped-update": check_skipped_update,
-          "loss-scale": check_loss_scale, "norm-state": check_norm_state}
+          "loss-scale": check_loss_scale, "norm-state": check_norm_state, "gns": check_gns}
 
 if __name__ == "__main__":
     check, *paths = sys.argv[1:]

@@ -20,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import unnorm
+from analysis.gns import run_gns
 from plugins.checkpoints import UnsafeCheckpoint
 from plugins.fairseq import launcher, synthetic
 from plugins.fairseq.data import binarised_files, prepare
@@ -163,7 +164,6 @@ def gpus(monkeypatch):
 @pytest.mark.parametrize("overrides, error, fix", [
     (["compile=true"], ValueError, "drop it for translation"),
     (["record_statistics=true"], ValueError, "drop it for translation"),
-    (["record_gns=true"], ValueError, "drop it for translation"),
     (["scale.max_steps_per_epoch=5"], ValueError, "recipe.train.max_update"),
     (["reset_norm_steps=true"], ValueError, "set init_from="),
     (["+recipe.train.fp16=true"], ValueError, "set amp=false"),
@@ -496,6 +496,57 @@ def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path)
     assert after == {update: reference[update] for update in after}
     wandb_runs = {path.name for path in (run / "wandb").glob("offline-run-*/run-*.wandb")}
     assert len(wandb_runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
+
+
+def test_gns_records_of_a_translation_run(synthetic_data, tmp_path):
+    """record_gns=true, two epochs, the second cut short by max_update: gns/epoch_0001.pt
+    (written when epoch 2 began) and epoch_0002.pt (after training) hold one record per
+    update (update_freq 1) for every norm, each with its micro-batch's sentences (fairseq's
+    ``bsz``; epoch 1's add up to the corpus), the epoch's mean sentences as batch_size; and
+    analysis.gns reads them."""
+    overrides = ["scale=cpu", "device=cpu", "logger=none", "record_gns=true",
+                 "recipe.cpu.train.max_epoch=2", "recipe.cpu.train.max_update=63",
+                 "recipe.cpu.average_last=1"]
+    cfg = config("+exp=iwslt14_ln", *overrides)
+    result = launcher.train(cfg, tmp_path, overrides)
+    assert result["status"] in FINISHED and result["steps"] == 63
+    assert f"--record-gns {tmp_path.resolve()}" in (tmp_path / "train_command.txt").read_text()
+    sentences = [int(json.loads(record)["bsz"]) for record in
+                 re.findall(r"\| train_inner \| (\{.*\})", (tmp_path / "train.log").read_text())]
+    assert len(sentences) == 63
+    files = sorted(p.name for p in (tmp_path / "gns").iterdir())
+    assert files == ["epoch_0001.pt", "epoch_0002.pt"]
+    for epoch, steps in ((1, range(42)), (2, range(42, 63))):
+        saved = torch.load(tmp_path / "gns" / f"epoch_{epoch:04d}.pt", weights_only=True)
+        counts = [sentences[step] for step in steps]
+        assert saved["accumulate"] == 1 and saved["replicas"] == 1
+        assert saved["batch_size"] == pytest.approx(sum(counts) / len(counts))
+        assert len(saved["layers"]) == 2 * 2 + 2 * 3 + 2  # the tiny model's norms
+        for values in saved["layers"].values():
+            assert values["examples"].tolist() == counts and values["batch_sq"].shape == (len(counts),)
+            assert values["example_sq"].shape == (len(counts), max(counts))
+        if epoch == 1:
+            assert sum(counts) == effective_config(cfg).data.synthetic.train
+    gns = run_gns(tmp_path)
+    assert gns["records"] == gns["used"] == 63 and gns["batch"]["update"] == pytest.approx(sum(sentences) / 63)
+    assert all(small >= big > 0 for small, big in zip(gns["series"]["small_sq"], gns["series"]["big_sq"]))
+
+
+def test_gns_records_each_sentences_gradient(synthetic_data, tmp_path):
+    """plugins.fairseq.train's --record-gns on one update of the tiny model (LN, dropout 0,
+    padded batch): every norm's |g_i|^2 and |mean_i g_i|^2 are those of each sentence's own
+    summed token loss by autograd, with the norms handed the pad mask and without; under
+    --fp16 the loss scale is divided out (the float32 records to fp16's rounding) and an
+    update fairseq skips leaves no records (see fairseq_checks.py)."""
+    summary = fairseq_python("tests/fairseq_checks.py", "gns", str(synthetic_data), str(tmp_path))
+    for mask in ("true", "false"):
+        result = summary[f"mask_{mask}"]
+        assert result["layers"] == 12 and result["padded"], result
+        assert result["example_sq"] < 1e-5 and result["batch_sq"] < 1e-5, result
+        assert result["examples"] == [result["sentences"]], result
+    fp16 = summary["fp16"]
+    assert fp16["updates"] == 2 and fp16["steps"] == [2] and fp16["examples"] == fp16["sentences"]
+    assert fp16["vs_float32"] < 5e-2, fp16
 
 
 @pytest.mark.parametrize("overrides, reason", [

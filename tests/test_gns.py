@@ -56,12 +56,13 @@ def _norm_params(model) -> dict[str, list[torch.Tensor]]:
             if isinstance(module, unnorm.ChannelNorm)}
 
 
-def _record(model, x, target, example_dim=0, backward_scale=1.0, **options):
-    """One training step's records: backward of ``backward_scale`` x the batch-mean loss."""
-    with unnorm.record_gns(model, example_dim=example_dim, **options) as recorder:
+def _record(model, x, target, example_dim=0, backward_scale=1.0, reduction="mean", **options):
+    """One training step's records: backward of ``backward_scale`` x the batch-mean loss (the
+    batch-sum with ``reduction="sum"``)."""
+    with unnorm.record_gns(model, example_dim=example_dim, reduction=reduction, **options) as recorder:
         losses = _losses(model(x), target) if example_dim == 0 else \
             _losses(model(x).transpose(0, 1), target)
-        (losses.mean() * backward_scale).backward()
+        (getattr(losses, reduction)() * backward_scale).backward()
         return recorder.flush()
 
 
@@ -132,10 +133,12 @@ def test_the_example_axis_is_found_in_every_layout():
     assert wrong["1"]["examples"].tolist() == [2 * T]
 
 
-def test_padding_counts_as_no_example():
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_padding_counts_as_no_example(reduction):
     """Padded rows add nothing and an all-padding example is no example: the count is the
     examples with a valid row, and each real example's record is the gradient of its loss
-    over its valid positions, computed alone on those positions."""
+    over its valid positions, computed alone on those positions. The loss backpropagated is
+    the real examples' mean, or (fairseq's criteria) their sum: the records are the same."""
     torch.manual_seed(0)
     lengths = [3, 1, 2, 0]  # the last example is all padding
     norm = unnorm.build_norm("ln", C).double()
@@ -149,10 +152,10 @@ def test_padding_counts_as_no_example():
     def forward(inputs, mask):
         return last(norm(first(inputs), pad_mask=mask))
 
-    with unnorm.record_gns(torch.nn.Sequential(norm), example_dim=0) as recorder:
+    with unnorm.record_gns(torch.nn.Sequential(norm), example_dim=0, reduction=reduction) as recorder:
         errors = (forward(x, pad) - target).square().mean(dim=-1)  # (B, T)
         per_example = torch.where(pad, 0.0, errors).sum(dim=1) / torch.tensor(lengths).clamp_min(1)
-        (per_example[real].mean()).backward()
+        getattr(per_example[real], reduction)().backward()
         records = recorder.flush()
     params = list(norm.affine_parameters().values())
     exact = [_flat_grad((forward(x[i:i + 1, :n], None) - target[i:i + 1, :n]).square().mean(), params)
@@ -177,12 +180,48 @@ def test_loss_scale_and_accumulation_are_divided_out():
             torch.testing.assert_close(other["1"][key], value, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("norm", AFFINE_NORMS)
+def test_a_summed_loss_records_what_the_mean_loss_does(norm):
+    """reduction="sum" with a backward of sum_i l_i = B x the mean loss (time-first, as fairseq
+    trains) records the per-example and batch gradient norms that reduction="mean" records
+    for the mean loss: the records mean the same under both."""
+    torch.manual_seed(0)
+    model = _model(norm)
+    x, target = torch.randn(T, B, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    mean = _record(copy.deepcopy(model), x, target, example_dim=1)
+    summed = _record(copy.deepcopy(model), x, target, example_dim=1, reduction="sum")
+    assert set(summed) == set(mean)
+    for name, values in mean.items():
+        assert values["batch_sq"].item() > 0
+        for key, value in values.items():
+            torch.testing.assert_close(summed[name][key], value, rtol=1e-6, atol=0)
+
+
+def test_a_skipped_updates_steps_can_be_dropped():
+    """mark() before an update, drop_since(mark) after the optimizer skipped it: the records
+    are those of the updates taken."""
+    torch.manual_seed(0)
+    model = _model("ln")
+    x, target = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    taken = _record(copy.deepcopy(model), x, target)
+    with unnorm.record_gns(model, example_dim=0) as recorder:
+        for scale in (1.0, 2.0):  # the second is skipped
+            mark = recorder.mark()
+            (_losses(model(x), target).mean() * scale).backward()
+        recorder.drop_since(mark)
+        records = recorder.flush()
+    for key, value in taken["1"].items():
+        assert torch.equal(records["1"][key], value)
+
+
 def test_bad_settings_fail_naming_the_fix():
     model = _model("ln")
     with pytest.raises(ValueError, match="record_gns needs example_dim"):
         unnorm.record_gns(model)
     with pytest.raises(ValueError, match="1/accumulate"):
         unnorm.record_gns(model, example_dim=0, loss_multiplier=0)
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'.*got 'none'"):
+        unnorm.record_gns(model, example_dim=0, reduction="none")
     with pytest.raises(ValueError, match="nonorm has none"):
         unnorm.record_gns(torch.nn.Sequential(unnorm.build_norm("nonorm", C)), example_dim=0)
     with unnorm.record_gns(model, example_dim=0):

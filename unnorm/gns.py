@@ -5,15 +5,19 @@ Gradient Noise Scale in Transformers") estimate B_simple = tr(Sigma) / |G|^2 (Mc
 al. 2018) from the norm layers' affine parameters alone. Their per-example gradients are cheap:
 with ``y = weight * z + bias`` applied row by row, example i's share of the batch gradient is
 ``c_i = (sum over i's rows of dy * z, sum over i's rows of dy)``, where dy is the gradient of
-the micro-batch's mean loss L = (1/B) sum_i l_i. As dy carries the 1/B, c_i = grad(l_i) / B:
-the per-example gradient is g_i = B c_i, and the batch gradient sum_i c_i = mean_i g_i.
+the micro-batch's loss. With ``reduction="mean"`` (the default) that is the mean
+L = (1/B) sum_i l_i: as dy carries the 1/B, c_i = grad(l_i) / B, the per-example gradient is
+g_i = B c_i, and the batch gradient sum_i c_i = mean_i g_i. With ``reduction="sum"`` (fairseq's
+criteria backpropagate the sum over tokens, so over sentences, and divide the gradients by the
+token count afterwards) it is L = sum_i l_i: g_i = c_i, and mean_i g_i = sum_i c_i / B.
 
 While recording, each norm with affine parameters appends per training step (per micro-batch)
-``example_sq`` (B,): |g_i|^2 over its affine parameters, ``batch_sq`` (): |sum_i c_i|^2, and
+``example_sq`` (B,): |g_i|^2 over its affine parameters, ``batch_sq`` (): |mean_i g_i|^2, and
 ``examples`` (): B, the examples with at least one valid (unpadded) row. Padded rows add
 nothing, and an example with no valid row is no example (its entry is 0). Values are in the
-units of the micro-batch's mean loss: the AMP loss scale (``ChannelNorm.loss_scale``) and the
-recorder's ``loss_multiplier`` (1/accumulate under gradient accumulation) are divided out.
+units of the examples' losses l_i, the same under either reduction: the AMP loss scale
+(``ChannelNorm.loss_scale``) and the recorder's ``loss_multiplier`` (1/accumulate under
+gradient accumulation of mean losses) are divided out.
 Everything stays on the device until ``flush()``.
 
 A norm sees its input as rows: it cannot tell which axis holds the examples, so the recorder
@@ -63,11 +67,15 @@ class Examples:
         return per_example.reshape(self.size, self.positions).any(dim=1).sum().float()
 
 
+#: how the loss backpropagated combines the micro-batch's per-example losses
+REDUCTIONS = ("mean", "sum")
+
+
 class GNSTap:
     """The pending per-step GNS records of one norm layer."""
 
-    def __init__(self, example_dim: int, loss_multiplier: float):
-        self.example_dim, self.loss_multiplier = example_dim, loss_multiplier
+    def __init__(self, example_dim: int, loss_multiplier: float, reduction: str = "mean"):
+        self.example_dim, self.loss_multiplier, self.reduction = example_dim, loss_multiplier, reduction
         self.current: Optional[Examples] = None  # the layout of the latest training forward
         self.example_sq: list[torch.Tensor] = []
         self.batch_sq: list[torch.Tensor] = []
@@ -90,11 +98,21 @@ class GNSTap:
         shares = torch.cat([examples.sums(rows if factor is None else rows * factor)
                             for factor in factors], dim=1)  # (B, P): c_i per parameter entry
         unit = self.loss_multiplier if loss_scale is None else self.loss_multiplier * loss_scale
-        shares = shares / unit  # in the units of the micro-batch's mean loss
+        shares = shares / unit  # of the mean or the sum of the examples' losses
         count = examples.count(rows.device)
-        self.example_sq.append((shares.square().sum(dim=1) * count.square()).float())
-        self.batch_sq.append(shares.sum(dim=0).square().sum().float())
+        # g_i = example * c_i and mean_i g_i = batch * sum_i c_i (see the module docstring)
+        example, batch = (count, 1.0) if self.reduction == "mean" else (1.0, 1 / count.clamp_min(1))
+        self.example_sq.append((shares.square().sum(dim=1) * example ** 2).float())
+        self.batch_sq.append((shares.sum(dim=0).square().sum() * batch ** 2).float())
         self.examples.append(count)
+
+    def pending(self) -> int:
+        """The steps recorded since the last ``take``."""
+        return len(self.batch_sq)
+
+    def drop(self, keep: int) -> None:
+        """Forget the pending steps after the first ``keep``."""
+        del self.example_sq[keep:], self.batch_sq[keep:], self.examples[keep:]
 
     def take(self) -> dict[str, torch.Tensor]:
         if not self.batch_sq:
@@ -121,7 +139,8 @@ class GNSRecorder(Recorder):
 
     ``flush()`` returns ``{layer_name: {"example_sq": (T, B), "batch_sq": (T,),
     "examples": (T,)}}`` for the steps since the last flush (one step per backward through
-    the layer, so one per micro-batch).
+    the layer, so one per micro-batch). ``mark()`` and ``drop_since(mark)`` forget the steps
+    of an update the optimizer skipped.
     """
 
     slot = "_gns"
@@ -130,7 +149,7 @@ class GNSRecorder(Recorder):
                          "unnorm.build_norm / swap_norms (nonorm has none) and leave them trainable")
 
     def __init__(self, model: nn.Module, example_dim: Optional[int] = None,
-                 loss_multiplier: float = 1.0):
+                 loss_multiplier: float = 1.0, reduction: str = "mean"):
         if isinstance(example_dim, bool) or not isinstance(example_dim, int) or example_dim < 0:
             raise ValueError(
                 f"record_gns needs example_dim, the axis of the norms' input that holds the "
@@ -138,21 +157,37 @@ class GNSRecorder(Recorder):
                 f"time-first (T, B, C)); got {example_dim!r}")
         if not (isinstance(loss_multiplier, (int, float)) and math.isfinite(loss_multiplier)
                 and loss_multiplier > 0):
-            raise ValueError(f"loss_multiplier (what the micro-batch's mean loss is multiplied by "
-                             f"before its backward: 1/accumulate) must be a positive number, "
+            raise ValueError(f"loss_multiplier (what the micro-batch's loss is multiplied by "
+                             f"before its backward: 1/accumulate for mean losses accumulated) "
+                             f"must be a positive number, "
                              f"got {loss_multiplier!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))} (how the "
+                             f"loss backpropagated combines the examples' losses: their mean, or "
+                             f"their sum as fairseq's criteria), got {reduction!r}")
         self.example_dim, self.loss_multiplier = example_dim, float(loss_multiplier)
+        self.reduction = reduction
         super().__init__(model)
 
     def records(self, norm: ChannelNorm) -> bool:
         return any(param.requires_grad for param in norm.affine_parameters().values())
 
     def new_tap(self) -> GNSTap:
-        return GNSTap(self.example_dim, self.loss_multiplier)
+        return GNSTap(self.example_dim, self.loss_multiplier, self.reduction)
+
+    def mark(self) -> dict[str, int]:
+        """Each layer's pending step count, for ``drop_since``."""
+        return {name: module._gns.pending() for name, module in self.layers.items()}
+
+    def drop_since(self, mark: dict[str, int]) -> None:
+        """Forget the steps recorded since ``mark()`` (the micro-batches of a skipped update)."""
+        for name, module in self.layers.items():
+            module._gns.drop(mark[name])
 
 
 def record_gns(model: nn.Module, example_dim: Optional[int] = None,
-               loss_multiplier: float = 1.0) -> GNSRecorder:
+               loss_multiplier: float = 1.0, reduction: str = "mean") -> GNSRecorder:
     """Start recording the per-example gradient norms of every norm's affine parameters in
-    ``model``, whose norms see the examples on axis ``example_dim`` of their input."""
-    return GNSRecorder(model, example_dim, loss_multiplier)
+    ``model``, whose norms see the examples on axis ``example_dim`` of their input, trained
+    on ``loss_multiplier`` x the ``reduction`` ("mean" or "sum") of the examples' losses."""
+    return GNSRecorder(model, example_dim, loss_multiplier, reduction)

@@ -24,8 +24,11 @@ Settings of ``configs/train.yaml``, as translation takes them:
   the command line sets ``recipe.train.update_freq``.
 * ``init_from`` fine-tunes from a translation run's checkpoint (``reset_norm_steps`` restarts
   UN/MABN/PN step counters as ``unnorm.reset_steps`` does); ``logger`` receives fairseq's
-  records; ``compile``, ``record_statistics``, ``record_gns`` and ``scale.max_steps_per_epoch``
-  are refused.
+  records; ``compile``, ``record_statistics`` and ``scale.max_steps_per_epoch`` are refused.
+* ``record_gns`` records the norms' per-example (per-sentence) gradient norms in
+  ``<run>/gns/epoch_XXXX.pt`` as the other tasks do (``plugins.fairseq.train``); fairseq
+  batches by tokens, so an epoch's ``batch_size`` there is its mean sentences per micro-batch,
+  and the updates fairseq skips (overflows) are left out.
 * Checkpoints given from outside (``init_from``, the ``resume`` directory's) are read without
   running their pickle (``plugins.fairseq.checkpoints``) before fairseq loads them;
   ``trust_checkpoint=true`` is the opt-in for files that need more.
@@ -114,7 +117,7 @@ def _container(node: Optional[DictConfig]) -> dict:
 
 def check_settings(cfg: DictConfig) -> None:
     """Refuse, naming the fix, every setting translation cannot honour."""
-    for option in ("record_statistics", "record_gns", "compile"):
+    for option in ("record_statistics", "compile"):
         if cfg[option]:
             raise ValueError(f"{option}=true is supported by classification and torchvision "
                              "detection; drop it for translation (fairseq trains the model)")
@@ -210,6 +213,8 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
                "--log-format", "json", "--num-workers", str(cfg.scale.num_workers)]
     command += placement_flags(cfg.model.norm_position)
     command += ["--norm-pad-mask", str(bool(cfg.model.norm_pad_mask)).lower()]
+    if cfg.record_gns:  # into the run directory, whose checkpoints/ fairseq saves to
+        command += ["--record-gns", str(save_dir.parent)]
     train = _container(cfg.recipe.train)
     train["lr"] = train["lr"] * cfg.lr_multiple
     command += fairseq_flags(_container(cfg.model.args)) + fairseq_flags(train)

@@ -11,9 +11,18 @@ the update's loss scale (their statistics stay in unscaled units) and restores e
 state when fairseq takes no update (an overflow, or a batch that ran out of memory). fairseq
 builds its trainer by the name ``fairseq_cli.train.Trainer``; every training process (one per
 GPU) runs ``main`` below, which points that name at ``GuardedTrainer`` first.
+
+With ``--record-gns RUN_DIR`` (the model's flag) the trainer also records the norms'
+per-example gradient norms (``unnorm.gns``; a sentence is an example, and fairseq's criteria
+backpropagate the sum of their losses) and writes each epoch's, as the other tasks' training
+loop does (``plugins.training.save_gns``), to ``RUN_DIR/gns/epoch_XXXX.pt`` (rank 0): at the
+start of the next epoch, and after training for the last one (also when it failed).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
@@ -21,6 +30,10 @@ from fairseq.trainer import Trainer
 from fairseq_cli import train as fairseq_train
 
 import unnorm
+from plugins.runlog import RunDirectory
+from plugins.training import save_gns
+
+FLUSH_EVERY = 100  # updates between moving the GNS records off the device
 
 
 def loss_scale(optimizer) -> float:
@@ -32,35 +45,117 @@ def loss_scale(optimizer) -> float:
     return scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.loss_scale
 
 
+class EpochGNS:
+    """The GNS records of one training process, saved per epoch as ``save_gns`` saves them.
+
+    Time-first (T, B, C) input: the sentences are on axis 1; the loss is their summed losses
+    (``loss_multiplier`` 1: fairseq divides the gradients by the token count only after the
+    backward, and accumulates micro-batches without dividing). A record's ``examples`` are
+    its micro-batch's sentences (every sentence has a valid row on each side), which vary with
+    fairseq's batches of tokens: an epoch's ``batch_size`` is their mean over its records."""
+
+    def __init__(self, model, run_dir: str, update_freq, replicas: int, writer: bool):
+        self.recorder = unnorm.record_gns(model, example_dim=1, loss_multiplier=1.0, reduction="sum")
+        self.run = RunDirectory(Path(run_dir), writer=writer)
+        self.update_freq, self.replicas = list(update_freq), replicas
+        self.epoch, self.chunks, self.updates, self.mark = None, [], 0, None
+
+    def begin_update(self) -> None:
+        self.mark = self.recorder.mark()
+
+    def end_update(self, skipped: bool) -> None:
+        """Drop a skipped update's records (an overflow, an out-of-memory batch): the
+        records are those of the updates taken."""
+        if skipped:
+            self.recorder.drop_since(self.mark)
+            return
+        self.updates += 1
+        if self.updates % FLUSH_EVERY == 0:
+            self.chunks.append(self.recorder.flush())
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.save()
+        self.epoch = epoch
+
+    def save(self) -> None:
+        """Write the current epoch's records (nothing before the first epoch or if none)."""
+        first = next(iter(self.recorder.layers))
+        chunks = [chunk for chunk in self.chunks + [self.recorder.flush()] if chunk.get(first)]
+        self.chunks = []
+        if self.epoch is None or not chunks or not self.run.writer:
+            return
+        examples = torch.cat([chunk[first]["examples"] for chunk in chunks])
+        save_gns(self.run, self.epoch - 1, chunks, {
+            "batch_size": examples.double().mean().item(), "replicas": self.replicas,
+            "accumulate": self.update_freq[min(self.epoch, len(self.update_freq)) - 1]})
+
+
 class GuardedTrainer(Trainer):
-    """fairseq's ``Trainer`` with every update inside an ``unnorm.LossScaleGuard``."""
+    """fairseq's ``Trainer`` with every update inside an ``unnorm.LossScaleGuard``, and the
+    norms' per-example gradient norms recorded per epoch with ``--record-gns``."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         super().__init__(cfg, task, model, criterion, quantizer)
         self.guard = unnorm.LossScaleGuard(self.get_model())  # cast and on its device by now
+        run_dir = getattr(cfg.model, "record_gns", None)
+        # every process records its own micro-batches, rank 0 writes its own (as the other
+        # tasks' loop): fairseq pads only the later ranks' shards with dummy batches
+        self.gns = EpochGNS(self.get_model(), run_dir, cfg.optimization.update_freq,
+                            self.data_parallel_world_size,
+                            self.is_data_parallel_master) if run_dir else None
         self._updating = False
 
+    def begin_epoch(self, epoch):
+        """Also saves the previous epoch's GNS records (fairseq calls this before each epoch's
+        first update, and nothing at an epoch's end)."""
+        if self.gns:
+            self.gns.begin_epoch(epoch)
+        super().begin_epoch(epoch)
+
+    def finish(self) -> None:
+        """Save the last epoch's GNS records (fairseq_cli.train.main has returned or failed)."""
+        if self.gns:
+            self.gns.save()
+
     def train_step(self, samples, raise_oom=False):
-        """One update; the norms' state is restored if fairseq takes none. fairseq retries an
-        overflowed ``--amp`` update by calling ``train_step`` again from within: the attempt
-        in progress was skipped."""
+        """One update; the norms' state is restored, and its GNS records dropped, if fairseq
+        takes none. fairseq retries an overflowed ``--amp`` update by calling ``train_step``
+        again from within: the attempt in progress was skipped."""
         if self._updating:
-            self.guard.end_update(True)
+            self._end_update(True)
         self.guard.begin_update(loss_scale(self.optimizer))
+        if self.gns:
+            self.gns.begin_update()
         self._updating = True
         updates = self.get_num_updates()
         try:
             return super().train_step(samples, raise_oom)
         finally:
             if self._updating:
-                self.guard.end_update(self.get_num_updates() == updates)
-                self._updating = False
+                self._end_update(self.get_num_updates() == updates)
+
+    def _end_update(self, skipped: bool) -> None:
+        self.guard.end_update(skipped)
+        if self.gns:
+            self.gns.end_update(skipped)
+        self._updating = False
 
 
 def main(cfg) -> None:
-    """fairseq-train's ``main`` with the guarded trainer (in every training process)."""
-    fairseq_train.Trainer = GuardedTrainer
-    fairseq_train.main(cfg)
+    """fairseq-train's ``main`` with the guarded trainer (in every training process), which
+    saves its last epoch's GNS records when training ends."""
+    trainers = []
+
+    def build(*args, **kwargs) -> GuardedTrainer:
+        trainers.append(GuardedTrainer(*args, **kwargs))
+        return trainers[-1]
+
+    fairseq_train.Trainer = build
+    try:
+        fairseq_train.main(cfg)
+    finally:
+        for trainer in trainers:
+            trainer.finish()
 
 
 def cli_main() -> None:

@@ -12,6 +12,9 @@ layer-scale (``pn_ls``) groups by the attention heads of the norm's block unless
 ``--un-group-num`` says otherwise. Under ``--fp16``/``--amp`` (fairseq casts the model; the
 norms keep float32 statistics) training must run through ``plugins.fairseq.train``, which
 keeps fairseq's loss scaling away from the norms' statistics; fairseq-train is refused there.
+So is ``--record-gns RUN_DIR`` (the norms' per-example gradient norms, ``unnorm.gns``), which
+that trainer records; it is registered here, with the norms' flags, so that every command line
+of this model (``plugins.fairseq.checkpoints`` rebuilds it from the training flags) takes it.
 """
 from __future__ import annotations
 
@@ -145,6 +148,7 @@ class UnnormTransformerModel(TransformerModel):
     """fairseq's ``transformer`` with ``--norm-type <any unnorm norm>``."""
 
     loss_scaled = False  # built for --fp16/--amp training (build_model)
+    record_gns = None  # --record-gns: the run directory plugins.fairseq.train records into
 
     @classmethod
     def add_args(cls, parser):
@@ -154,6 +158,9 @@ class UnnormTransformerModel(TransformerModel):
         parser.add_argument("--norm-pad-mask", type=boolean, default=True, metavar="BOOL",
                             help="hand the norms the batch's padding mask (false: none, as "
                                  "the UN release's fairseq fork)")
+        parser.add_argument("--record-gns", metavar="RUN_DIR", default=None,
+                            help="record the norms' per-example gradient norms into "
+                                 "RUN_DIR/gns/epoch_XXXX.pt (training with plugins.fairseq.train)")
         for option, (flag, kind) in OPTIONS.items():
             default = ("the attention heads of the norm's block" if option == "group_num"
                        else "the norm's default")
@@ -168,11 +175,16 @@ class UnnormTransformerModel(TransformerModel):
                 raise ValueError(f"unnorm_transformer does not support --{unsupported.replace('_', '-')}")
         model = super().build_model(args, task)
         model.loss_scaled = bool(getattr(args, "fp16", False) or getattr(args, "amp", False))
+        model.record_gns = getattr(args, "record_gns", None)
         return model
 
     def forward(self, *args, **kwargs):
         if self.training and self.loss_scaled:
             self._require_loss_scale_guard()
+        if self.training and self.record_gns and not any(
+                module._gns is not None for module in self.modules() if isinstance(module, unnorm.ChannelNorm)):
+            raise RuntimeError("--record-gns: nothing records the norms' gradients; train with "
+                               "`python -m plugins.fairseq.train` (fairseq-train's flags), which does")
         return super().forward(*args, **kwargs)
 
     def _require_loss_scale_guard(self) -> None:
