@@ -2,8 +2,9 @@
 # The CPU-scale mini-reproduction on the project's small data: five seeds for every norm at the
 # recipe's learning rate on each task (main, translation, detection, lm), three for the probes:
 #   main        every norm x {Swin-T, T2T-ViT} on the embedded digits
-#   translation every norm on the synthetic corpus (fairseq); UN with the pad mask, and LN
-#               and DyT trained three times as long (probes of UN's and DyT's deficits)
+#   translation every norm on the synthetic corpus (fairseq); UN with the pad mask, and LN,
+#               DyT, UN and PN trained three times as long (probes of their deficits)
+#   translation_components  UN's components on it (Table 9) and a shorter gradient EMA
 #   detection   Mask R-CNN with LN, BN and UN on generated shapes
 #   window_size, momentum, components   UN's sweeps on Swin-T (Tables 6, 10, 5)
 #   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
@@ -49,8 +50,11 @@ runs() {  # one line per run: <group>/<name> <overrides...>
   done
   for seed in $PROBE_SEEDS; do
     echo "translation/iwslt14_un-padmask-s$seed +exp=iwslt14_un model.norm_pad_mask=true seed=$seed"
-    for norm in ln dyt; do
+    for norm in ln dyt un pn; do
       echo "translation/iwslt14_$norm-3x-s$seed +exp=iwslt14_$norm recipe.train.max_update=1008 recipe.train.max_epoch=24 seed=$seed"; done
+    for e in 2 3 4 5; do
+      echo "translation_components/iwslt14_un-exp$e-s$seed +exp=iwslt14_un +ablation=un_exp$e seed=$seed"; done
+    echo "translation_components/iwslt14_un-alpha0.5-s$seed +exp=iwslt14_un norm.momentum=0.5 seed=$seed"
     for m in 2 6 8 10; do
       echo "window_size/swin_t_un-M$m-s$seed +exp=swin_t_un norm.window_size=$m seed=$seed"; done
     for a in 0.8 0.7 0.6; do
