@@ -13,7 +13,11 @@ its linear consumer or a frozen affine); ``prepbn_folded`` (PRepBN's RepBN, fold
 norm removed: what folding can reach at best). Each runs eager and, unless --no-compile,
 under ``torch.compile`` (classifiers; Mask R-CNN runs eager: torchvision's detectors have
 data-dependent control flow). Mask R-CNN (Swin-T + FPN, torchvision) takes ``--det-batch``
-COCO-sized 640x480 images, which it resizes to 800 px on the short side as in evaluation.
+COCO-sized 640x480 images, which it resizes to 800 px on the short side as in evaluation;
+every box is scored as a detection (``box_score_thresh`` 0), so each variant keeps 100 per image
+and runs the mask head on them: with random weights the default threshold lets the detections,
+and so the time, depend on the variant's weights, not its norms. The JSON records each
+variant's proposals and detections, and the run stops if they differ.
 LLaMA-71M (``plugins.lm``; throughput in sequences of ``--lm-context`` tokens) adds
 ``rms_converted`` and ``crms_converted``: the Pre-LN model converted exactly into Pre-RMSNorm
 and Pre-CRMSNorm (``plugins.lm.convert``), beside ``ln``; its folds are ``plugins.lm.fold``'s.
@@ -24,12 +28,18 @@ the median of per-round ratios (variant and baseline timed in the same round), w
 bootstrap 95% interval of that median (``paired_ratio``). The noise check (``noise_check``)
 fails, with a warning, when the no-norm limit measures slower than LN beyond that interval.
 Peak memory: GPU max allocated, or on CPU the peak RSS during inference of a fresh subprocess
-per variant (weights and activations on top of the loaded libraries).
+per variant (weights and activations on top of the loaded libraries). The RSS varies from one
+process to the next (by up to ~10% for LLaMA-71M), so each variant is probed in
+``--memory-rounds`` fresh processes, in a shuffled order per round, and its ratio to LN's is
+paired by round like the times.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import functools
+import gc
 import json
 import os
 import platform
@@ -73,21 +83,26 @@ STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_st
           "pn": {"warmup_iters": 0}, "pn_ls": {"warmup_iters": 0},
           "prepbn": {"warmup_iters": 0, "decay_iters": 10 ** 9}}
 COCO_IMAGE = (480, 640)  # a typical COCO image; the detector resizes it to 800 x 1066
+# every box a detection, 100 per image (torchvision's detections_per_img) in every variant
+EQUAL_DETECTIONS = {"box_score_thresh": 0.0}
 BOOTSTRAP = 10_000  # resamples of the per-round ratios
 # default --rounds on a CPU. Measured on the 2-core CPU under load: 3 paired rounds passed
 # the noise check; 15 bounded no-norm/LN within +-1% (Swin-T) to +-3% (T2T-ViT-14), and
 # resolving the ~2% effects claimed asks for more
 CPU_ROUNDS = 20
+CPU_MEMORY_ROUNDS = 5  # fresh processes per variant for its peak RSS
 SPREAD = "bootstrap 95% interval (2.5-97.5 percentiles) of the median of per-round ratios"
 
 
 def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
-    """An eval-mode model of the variant (weights random: speed does not depend on them)."""
+    """An eval-mode model of the variant. Its weights are random: speed does not depend on
+    them, except a detector's post-processing, held equal by ``EQUAL_DETECTIONS``."""
     norm = VARIANT_NORMS[variant]
     options = STEADY.get(norm, {})
     if model in DETECTORS:
         config = OmegaConf.load(ROOT / MODELS[model])
         config.masks = True
+        config.detector_kwargs = EQUAL_DETECTIONS
         net = build_detector(config, {"name": norm, **options}, num_classes=81)
     elif model in LMS:
         net = build_lm(OmegaConf.load(ROOT / MODELS[model]), {"name": norm, **options},
@@ -183,16 +198,22 @@ def time_batches(fn, batches: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def timed_rounds(runners: dict, rounds: int, device: torch.device, batches: int = 1) -> dict:
-    """Each runner's seconds for ``batches`` calls, one per round: every round times all the
-    runners in a fresh shuffled order, so drift affects all alike and a round's times pair."""
-    times = {key: [] for key in runners}
-    order = list(runners)
+def measured_rounds(measures: dict, rounds: int) -> dict:
+    """Each measure's value, one per round: every round calls all the measures in a fresh
+    shuffled order, so drift affects all alike and a round's values pair."""
+    values = {key: [] for key in measures}
+    order = list(measures)
     for _ in range(rounds):
         random.shuffle(order)
         for key in order:
-            times[key].append(time_batches(runners[key], batches, device))
-    return times
+            values[key].append(measures[key]())
+    return values
+
+
+def timed_rounds(runners: dict, rounds: int, device: torch.device, batches: int = 1) -> dict:
+    """Each runner's seconds for ``batches`` calls, one per round (``measured_rounds``)."""
+    return measured_rounds({key: functools.partial(time_batches, fn, batches, device)
+                            for key, fn in runners.items()}, rounds)
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> dict:
@@ -263,17 +284,45 @@ def inputs(model: str, args, device: torch.device) -> torch.Tensor:
     return torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
 
 
+def detector_work(net: torch.nn.Module, images: torch.Tensor) -> dict:
+    """The post-processing a detector's call does, per image: the proposals its RPN keeps and
+    the detections it returns (each through the box and mask heads)."""
+    proposals = []
+    hook = net.rpn.register_forward_hook(
+        lambda module, inputs, out: proposals.append([len(boxes) for boxes in out[0]]))
+    try:
+        with torch.inference_mode():
+            detections = [len(found["boxes"]) for found in net(images)]
+    finally:
+        hook.remove()
+    return {"proposals": proposals[0], "detections": detections}
+
+
+def check_equal_work(work: dict) -> None:
+    """Timing variants that post-process different numbers of boxes would compare the boxes,
+    not the norms."""
+    for model in {model for model, _ in work}:
+        done = {variant: w for (m, variant), w in work.items() if m == model}
+        if len({json.dumps(w, sort_keys=True) for w in done.values()}) > 1:
+            raise RuntimeError(f"{model}: the variants post-process different numbers of boxes "
+                               f"({done}), so their times would not compare the norms; keep "
+                               f"EQUAL_DETECTIONS in build()")
+
+
 def inference(args, device) -> list[dict]:
     images = {model: inputs(model, args, device) for model in args.models}
-    runners = {}
+    runners, work = {}, {}
     for model in args.models:
         for variant in variants(model):
             net = build(model, variant, args.img_size, device)
+            if model in DETECTORS:
+                work[(model, variant)] = detector_work(net, images[model])
             modes = {"eager": net}
             if args.compile and model not in DETECTORS:
                 modes["compile"] = torch.compile(net)
             for mode, fn in modes.items():
                 runners[(model, variant, mode)] = fn
+    check_equal_work(work)
     print(f"warming up {len(runners)} runners (compiling where asked)...", flush=True)
     memory = {}
     with torch.inference_mode():
@@ -289,19 +338,31 @@ def inference(args, device) -> list[dict]:
         calls = {key: functools.partial(fn, images[key[0]]) for key, fn in runners.items()}
         times = timed_rounds(calls, args.rounds, device, args.batches)
     if device.type == "cpu":
-        for model in args.models:
-            for variant in variants(model):
-                memory[(model, variant, "eager")] = cpu_peak_rss(model, variant, args)
+        probes = {(model, variant, "eager"): functools.partial(cpu_peak_rss, model, variant, args)
+                  for model in args.models for variant in variants(model)}
+        print(f"probing peak RSS in {args.memory_rounds} rounds of {len(probes)} fresh "
+              f"processes...", flush=True)
+        memory = measured_rounds(probes, args.memory_rounds)
+    else:  # the allocator's count: one measurement is exact
+        memory = {key: [mb] for key, mb in memory.items()}
     rows = []
     for (model, variant, mode), seconds in times.items():
         batch = len(images[model])
         # throughput ratios: per round, the baseline's seconds over the variant's
-        rows.append({"model": model, "variant": variant, "mode": mode, "batch": batch,
-                     "round_s": seconds,
-                     "images_per_s": batch * args.batches / statistics.median(seconds),
-                     "vs_ln": paired_ratio(times[(model, "ln", mode)], seconds),
-                     "vs_no_norm": paired_ratio(times[(model, "no_norm", mode)], seconds),
-                     "peak_mem_mb": memory.get((model, variant, mode))})
+        row = {"model": model, "variant": variant, "mode": mode, "batch": batch,
+               "round_s": seconds,
+               "images_per_s": batch * args.batches / statistics.median(seconds),
+               "vs_ln": paired_ratio(times[(model, "ln", mode)], seconds),
+               "vs_no_norm": paired_ratio(times[(model, "no_norm", mode)], seconds),
+               "peak_mem_mb": None}
+        if (model, variant, mode) in memory:
+            peaks = memory[(model, variant, mode)]
+            row.update(peak_mem_mb=statistics.median(peaks), peak_mem_mb_rounds=peaks)
+            if len(peaks) > 1:  # the variant's peak over LN's, paired by round
+                row["mem_vs_ln"] = paired_ratio(peaks, memory[(model, "ln", mode)])
+        if (model, variant) in work:
+            row["work"] = work[(model, variant)]
+        rows.append(row)
     return rows
 
 
@@ -317,9 +378,13 @@ def cpu_peak_rss(model: str, variant: str, args) -> float:
 
 def rss_probe(model: str, variant: str, args) -> None:
     """Peak RSS while running inference: the kernel's high-water mark is reset first
-    (``/proc/self/clear_refs``), so the import-time peak of torch's libraries does not mask it."""
+    (``/proc/self/clear_refs``), so the import-time peak of torch's libraries does not mask it,
+    after the heap freed since (building, folding) is handed back to the kernel: kept, it
+    would count in some processes and not others."""
     net = build(model, variant, args.img_size, torch.device("cpu"))
     images = inputs(model, args, torch.device("cpu"))
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     with torch.inference_mode():
         for _ in range(3):
@@ -384,11 +449,13 @@ def noise_checks(inference_rows, training_rows) -> list[dict]:
 def report(inference_rows, training_rows) -> str:
     ci = "median [95% bootstrap CI]"
     lines = [f"| model | variant | mode | images (LM: sequences)/s | vs LN, {ci} "
-             f"| vs no-norm, {ci} | peak MB |", "|---|---|---|---:|---:|---:|---:|"]
+             f"| vs no-norm, {ci} | peak MB (median) | peak MB vs LN, {ci} |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in inference_rows:
         mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
+        mem_ratio = interval(r["mem_vs_ln"]) if "mem_vs_ln" in r else "-"
         lines.append(f"| {r['model']} | {r['variant']} | {r['mode']} | {r['images_per_s']:.1f} | "
-                     f"{interval(r['vs_ln'])} | {interval(r['vs_no_norm'])} | {mem} |")
+                     f"{interval(r['vs_ln'])} | {interval(r['vs_no_norm'])} | {mem} | {mem_ratio} |")
     lines += ["", f"| model | norm | mode | train step ms | vs LN, {ci} |",
               "|---|---|---|---:|---:|"]
     for r in training_rows:
@@ -408,6 +475,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
     add_shared_options(parser, "--train-norms", rounds=(7, CPU_ROUNDS), warmup=3,
                        norms_help="norms whose training step is timed (LN always, as the baseline)")
+    parser.add_argument("--memory-rounds", type=int, default=CPU_MEMORY_ROUNDS,
+                        help="CPU: fresh processes per variant for its peak RSS (GPU: one "
+                             "measurement, exact)")
     parser.add_argument("--rss-probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parse_shared(parser)
     args.train_norms = ln_first(args.train_norms)
@@ -418,6 +488,9 @@ def main() -> None:
     args.batches = args.batches or (10 if gpu else 2)
     if args.rss_probe:
         return rss_probe(*args.rss_probe, args)
+    if not gpu and args.memory_rounds < 2:
+        parser.error(f"--memory-rounds {args.memory_rounds}: a memory ratio's spread needs at "
+                     f"least 2 rounds (default {CPU_MEMORY_ROUNDS})")
     run_context = context()
     compile_side_by_side()
     if gpu:
@@ -436,7 +509,8 @@ def main() -> None:
         "cuda": torch.version.cuda if gpu else None, "batch": args.batch,
         "det_batch": args.det_batch,
         "train_batch": args.train_batch, "img_size": args.img_size, "lm_context": args.lm_context,
-        "rounds": args.rounds, "batches_per_round": args.batches, "command": command(),
+        "rounds": args.rounds, "batches_per_round": args.batches,
+        "memory_rounds": None if gpu else args.memory_rounds, "command": command(),
         "context": run_context, "spread": SPREAD, "noise_check": verdict, "noise_checks": checks,
         "inference": inference_rows, "training": training_rows, "table": table}, indent=2))
     print(f"wrote {out}")

@@ -13,14 +13,14 @@
 #               the recipe's learning rate (1x: the main runs)
 #   lm          the Llama-style decoder: every norm in Pre placement, LN in Post, Peri and Mix
 #   lm_stability  Pre-/Post-/Peri-/Mix-LN, RMSNorm, UN, DyT and NoNorm at 3x and 10x the
-#               learning rate, two seeds (1x: the lm runs)
+#               learning rate (1x: the lm runs)
 #   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
 # then the tables, the stability figures, the LM loss curves, PNAC/statistics figures and CKA.
 #
 # Runs go to $OUT (checkpoints, statistics, logs); their records (result.json, config.yaml,
-# metrics.jsonl) are copied to results/runs/cpu, which scripts/make_tables.py reads. Runs
-# that already have a result are skipped, so an interrupted reproduction continues where it
-# stopped. $JOBS runs at a time (default: one per core), one thread each.
+# metrics.jsonl) are copied to $RECORDS (results/runs/cpu), which scripts/make_tables.py
+# reads. Runs that already have a result are skipped, so an interrupted reproduction
+# continues where it stopped. $JOBS runs at a time (default: one per core), one thread each.
 #   bash scripts/reproduce_cpu.sh            # everything
 #   bash scripts/reproduce_cpu.sh lm lm_stability   # only these groups' runs
 #   bash scripts/reproduce_cpu.sh --list [group ...]   # the runs, one per line: <group>/<name> <overrides>
@@ -28,6 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/cpu_repro}
+RECORDS=${RECORDS:-results/runs/cpu}  # what scripts/make_tables.py reads
 JOBS=${JOBS:-$(nproc)}
 NORMS="ln rms bn mabn pn pn_ls nonorm un dyt prepbn"
 ANALYSED="swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln"  # statistics recorded (seed 0)
@@ -91,7 +92,7 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
     for position in post peri mix; do
       echo "lm/llama_cpu_ln-$position-s$seed +exp=llama_71m_ln model.norm_position=$position seed=$seed"; done
   done
-  for seed in 0 1; do for lr in 3 10; do
+  for seed in $PROBE_SEEDS; do for lr in 3 10; do
     for norm in ln rms un dyt nonorm; do
       echo "lm_stability/llama_cpu_$norm-lr${lr}x-s$seed +exp=llama_71m_$norm lr_multiple=$lr seed=$seed"; done
     for position in post peri mix; do
@@ -99,7 +100,7 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
   done; done
   # the same 737k training tokens (360 updates of 16 x 128) in 4x more or fewer updates; the
   # micro-batch is the batch, so that UN's and LN's statistics see the batch size swept
-  for seed in 0 1; do for norm in ln un; do
+  for seed in $PROBE_SEEDS; do for norm in ln un; do
     echo "lm_batch/llama_cpu_$norm-b4-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=4 recipe.cpu.micro_batch_size=4 recipe.cpu.max_steps=1440 recipe.cpu.warmup_steps=144 recipe.cpu.eval_every=360 seed=$seed"
     echo "lm_batch/llama_cpu_$norm-b64-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30 seed=$seed"
   done; done
@@ -143,15 +144,19 @@ if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   echo "trained $(selected "$@" | wc -l) runs (finished ones skipped) in $(( (SECONDS - started) / 60 )) min, $JOBS at a time"
 fi
 
-# every finished run's records replace that run's older ones; records of runs that are not
-# under $OUT (another machine's, an earlier grid's) stay
+# the records of every run finished since its last copy (this call's, or an interrupted
+# call's) replace that run's older ones; a run copied before (marked .synced) is not copied
+# again, so a later record of it (a re-run elsewhere, a relabelling) stays. Records of runs
+# that are not under $OUT (another machine's, an earlier grid's) stay too.
 for result in "$OUT"/*/*/result.json; do
   run=$(dirname "$result")
-  dest="results/runs/cpu/$(basename "$(dirname "$run")")/$(basename "$run")"
+  [[ -f "$run/.synced" && ! "$result" -nt "$run/.synced" ]] && continue
+  dest="$RECORDS/$(basename "$(dirname "$run")")/$(basename "$run")"
   rm -rf "$dest"
   mkdir -p "$dest"
   cp "$run"/result.json "$run"/config.yaml "$dest"/
   [[ -f "$run/metrics.jsonl" ]] && cp "$run"/metrics.jsonl "$dest"/  # a run that collapsed in epoch 1 has none
+  touch "$run/.synced"
 done
 "$PY" scripts/make_tables.py
 "$PY" -m analysis.stability

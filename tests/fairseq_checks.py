@@ -335,7 +335,8 @@ def check_gns(data: str, run_dir: str) -> dict:
     """The trainer's --record-gns records of one update (LN, dropout 0) against each
     sentence's gradient by autograd, with the norms handed the pad mask and without: the
     largest relative differences of |g_i|^2 and |mean_i g_i|^2 over every norm, the
-    examples; then under --fp16 (loss scale 64), two updates and a skipped third: the steps
+    examples; the same for each micro-batch of an update of two (--update-freq 2); then under
+    --fp16 (loss scale 64), two updates and a skipped third: the steps
     kept, and the first step against the float32 trainer's."""
     summary = {}
     for mask in ("true", "false"):
@@ -357,6 +358,24 @@ def check_gns(data: str, run_dir: str) -> dict:
             "sentences": sample["nsentences"], "padded": bool(sample["net_input"]["src_tokens"].eq(1).any())}
         if mask == "true":
             float32 = records
+    # update_freq 2: an update of two micro-batches records each, against its own sentences
+    cfg, task, batches = setup(data, "ln", "--update-freq", "2", "--record-gns", run_dir, *TRAIN_FLAGS)
+    torch.manual_seed(1)
+    model = task.build_model(cfg.model)
+    reference, criterion = copy.deepcopy(model), task.build_criterion(cfg.criterion)
+    reference.record_gns = None
+    trainer = GuardedTrainer(cfg, task, model, criterion)
+    trainer.train_step(batches[:2])
+    records = trainer.gns.recorder.flush()
+    exact = [sentence_gradients(reference, criterion, batch) for batch in batches[:2]]
+    summary["update_freq_2"] = {
+        "updates": trainer.get_num_updates(),
+        "examples": records[next(iter(records))]["examples"].tolist(),
+        "sentences": [batch["nsentences"] for batch in batches[:2]],
+        "example_sq": max(relative(records[k]["example_sq"][i, :len(g)], g.square().sum(1))
+                          for i, micro in enumerate(exact) for k, g in micro.items()),
+        "batch_sq": max(relative(records[k]["batch_sq"][i], g.mean(0).square().sum())
+                        for i, micro in enumerate(exact) for k, g in micro.items())}
     torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor  # as check_skipped_update
     trainer, batches = fp16_trainer(data, "ln", "--record-gns", run_dir, "--fp16-init-scale", "64")
     for batch in batches[:2]:

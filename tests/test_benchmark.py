@@ -116,7 +116,7 @@ def test_benchmark_records_every_round_and_paired_ratios(tmp_path):
     out, rounds = tmp_path / "bench.json", 3
     proc = run("scripts/benchmark.py", "--models", "t2t_vit_14", "--img-size", "32", "--batch", "2",
                "--train-batch", "2", "--no-compile", "--rounds", str(rounds), "--warmup", "1",
-               "--batches", "1", "--train-norms", "nonorm", "--out", str(out))
+               "--batches", "1", "--train-norms", "nonorm", "--memory-rounds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     check_context(record, rounds)
@@ -130,6 +130,14 @@ def test_benchmark_records_every_round_and_paired_ratios(tmp_path):
         # throughput ratios: the baseline's seconds over the variant's
         check_ratio(row["vs_ln"], seconds["ln"], row["round_s"], table, 3)
         check_ratio(row["vs_no_norm"], seconds["no_norm"], row["round_s"], table, 3)
+    # peak RSS: a fresh process per variant and round, the ratio to LN's paired by round
+    assert record["memory_rounds"] == 2
+    peaks = {r["variant"]: r["peak_mem_mb_rounds"] for r in record["inference"] if r["mode"] == "eager"}
+    for row in record["inference"]:
+        if row["mode"] == "eager":
+            assert len(row["peak_mem_mb_rounds"]) == 2 and all(mb > 0 for mb in row["peak_mem_mb_rounds"])
+            assert row["peak_mem_mb"] == statistics.median(row["peak_mem_mb_rounds"])
+            check_ratio(row["mem_vs_ln"], row["peak_mem_mb_rounds"], peaks["ln"], table, 3)
     steps = {r["norm"]: r["round_s"] for r in record["training"]}
     assert set(steps) == {"ln", "nonorm"}
     for row in record["training"]:
@@ -174,3 +182,40 @@ def test_bench_norms_records_every_round_and_paired_ratios(tmp_path):
 def test_benchmarks_refuse_a_single_round():
     proc = run("scripts/bench_norms.py", "--rounds", "1", timeout=120)
     assert proc.returncode == 2 and "needs at least 2 rounds" in proc.stderr
+    proc = run("scripts/benchmark.py", "--device", "cpu", "--memory-rounds", "1", timeout=120)
+    assert proc.returncode == 2 and "--memory-rounds 1" in proc.stderr and "at least 2" in proc.stderr
+
+
+def test_measured_rounds_call_every_measure_once_per_round_in_a_shuffled_order():
+    calls = []
+    values = benchmark.measured_rounds({key: (lambda key=key: calls.append(key) or len(calls))
+                                        for key in "abcd"}, rounds=30)
+    assert [sorted(calls[r * 4:(r + 1) * 4]) for r in range(30)] == [list("abcd")] * 30
+    assert len({tuple(calls[r * 4:(r + 1) * 4]) for r in range(30)}) > 1  # orders differ
+    assert sorted(v for vs in values.values() for v in vs) == list(range(1, 121))
+
+
+def test_detector_variants_post_process_the_same_boxes():
+    """Random weights score boxes below torchvision's 0.05 in some variants and above it in
+    others, and the mask head's time follows the detections: with ``EQUAL_DETECTIONS`` every
+    variant keeps torchvision's 100 per image, whatever its norm (a small detector here)."""
+    from omegaconf import OmegaConf
+
+    from plugins.torchvision.detectors import build_detector, fold_detector
+    config = OmegaConf.load(ROOT / benchmark.MODELS["mask_rcnn_swin_t"])
+    config = OmegaConf.merge(config, config.cpu, {"masks": True})
+    config.detector_kwargs = {**config.detector_kwargs, **benchmark.EQUAL_DETECTIONS}
+    images = benchmark.torch.rand(2, 3, 128, 128)
+    work = {}
+    for norm in ("ln", "prepbn"):
+        benchmark.torch.manual_seed(0)
+        net = build_detector(config, {"name": norm, **benchmark.STEADY.get(norm, {})},
+                             num_classes=81).eval()
+        if norm == "prepbn":
+            fold_detector(net)
+        work[("mask_rcnn", norm)] = benchmark.detector_work(net, images)
+    assert work[("mask_rcnn", "ln")]["detections"] == [100, 100]
+    benchmark.check_equal_work(work)
+    work[("mask_rcnn", "prepbn")] = {**work[("mask_rcnn", "prepbn")], "detections": [100, 0]}
+    with pytest.raises(RuntimeError, match="mask_rcnn: the variants post-process different"):
+        benchmark.check_equal_work(work)

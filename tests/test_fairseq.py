@@ -535,15 +535,19 @@ def test_gns_records_of_a_translation_run(synthetic_data, tmp_path):
 def test_gns_records_each_sentences_gradient(synthetic_data, tmp_path):
     """plugins.fairseq.train's --record-gns on one update of the tiny model (LN, dropout 0,
     padded batch): every norm's |g_i|^2 and |mean_i g_i|^2 are those of each sentence's own
-    summed token loss by autograd, with the norms handed the pad mask and without; under
-    --fp16 the loss scale is divided out (the float32 records to fp16's rounding) and an
-    update fairseq skips leaves no records (see fairseq_checks.py)."""
+    summed token loss by autograd, with the norms handed the pad mask and without, and for
+    each micro-batch of an update of two (update_freq 2); under --fp16 the loss scale is
+    divided out (the float32 records to fp16's rounding) and an update fairseq skips leaves
+    no records (see fairseq_checks.py)."""
     summary = fairseq_python("tests/fairseq_checks.py", "gns", str(synthetic_data), str(tmp_path))
     for mask in ("true", "false"):
         result = summary[f"mask_{mask}"]
         assert result["layers"] == 12 and result["padded"], result
         assert result["example_sq"] < 1e-5 and result["batch_sq"] < 1e-5, result
         assert result["examples"] == [result["sentences"]], result
+    accumulated = summary["update_freq_2"]  # one record per micro-batch, each its own sentences
+    assert accumulated["updates"] == 1 and accumulated["examples"] == accumulated["sentences"], accumulated
+    assert accumulated["example_sq"] < 1e-5 and accumulated["batch_sq"] < 1e-5, accumulated
     fp16 = summary["fp16"]
     assert fp16["updates"] == 2 and fp16["steps"] == [2] and fp16["examples"] == fp16["sentences"]
     assert fp16["vs_float32"] < 5e-2, fp16

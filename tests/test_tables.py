@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -221,8 +222,9 @@ def test_holm_adjustment_against_hand_computed_values():
 
 
 def test_table8_prints_speedups_with_their_interval_beside_the_no_norm_limit(tmp_path):
-    """A benchmark record with per-round paired ratios shows each speed-up as median and 95%
-    interval, and the no-norm limit of the same model and mode beside it."""
+    """A benchmark record with per-round paired ratios shows each speed-up (and memory
+    reduction) as median and 95% interval, and the no-norm limit of the same model and mode
+    beside it."""
     bench = tmp_path / "bench"
     bench.mkdir()
     ratio = lambda median, lo, hi: {"median": median, "lo": lo, "hi": hi}  # noqa: E731
@@ -230,6 +232,7 @@ def test_table8_prints_speedups_with_their_interval_beside_the_no_norm_limit(tmp
              "peak_mem_mb": 100.0, "vs_ln": r} for v, ips, r in
             (("ln", 10.0, ratio(1, 1, 1)), ("un_folded", 10.5, ratio(1.05, 1.038, 1.064)),
              ("no_norm", 10.8, ratio(1.08, 1.06, 1.11)))]
+    rows[1]["mem_vs_ln"] = ratio(0.9, 0.85, 0.97)  # peak RSS over LN's, paired by process
     (bench / "inference_cpu.json").write_text(json.dumps({"device": "cpu", "batch": 8, "inference": rows}))
     proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(tmp_path / "none"),
                            "--out", str(tmp_path / "out"), "--benchmarks", str(bench)],
@@ -237,6 +240,34 @@ def test_table8_prints_speedups_with_their_interval_beside_the_no_norm_limit(tmp
     assert proc.returncode == 0, proc.stderr
     row = table_row((tmp_path / "out" / "tables.md").read_text(), "Table 8", "ours swin_t eager bs8 (cpu)")
     assert row[1] == "UN folded" and row[-2:] == ["+5.0% [+3.8%, +6.4%]", "+8.0% [+6.0%, +11.0%]"]
+    assert row[4] == "10.0% [3.0%, 15.0%]"  # the memory reduction, its interval reversed
+
+
+def test_reproduction_copies_each_runs_records_once(tmp_path):
+    """reproduce_cpu.sh copies a finished run's records to $RECORDS, and not again: a record
+    changed after the copy (a relabelling, a re-run on another machine) is not overwritten by
+    the stale run folder, unless that run finishes again."""
+    out, records = tmp_path / "out", tmp_path / "records"
+    run = out / "main" / "swin_t_ln-s0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    (run / "result.json").write_text('{"status": "ok"}')
+    env = {"PATH": "/usr/bin:/bin", "PY": "true", "OUT": str(out), "RECORDS": str(records),
+           "SKIP_TRAINING": "1"}  # PY=true: the tables and figures after the copy do nothing
+
+    def reproduce() -> str:
+        proc = subprocess.run(["bash", "scripts/reproduce_cpu.sh"], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return (records / "main" / "swin_t_ln-s0" / "result.json").read_text()
+
+    assert reproduce() == '{"status": "ok"}'
+    (records / "main" / "swin_t_ln-s0" / "result.json").write_text('{"status": "chance"}')
+    assert reproduce() == '{"status": "chance"}'  # relabelled after the copy: kept
+    (run / "result.json").write_text('{"status": "ok", "seed": 0}')  # the run finished again
+    later = (run / ".synced").stat().st_mtime + 10
+    os.utime(run / "result.json", (later, later))
+    assert reproduce() == '{"status": "ok", "seed": 0}'
 
 
 def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
