@@ -18,8 +18,7 @@
 # then the tables, the stability figures, the LM loss curves, PNAC/statistics figures and CKA.
 #
 # Runs go to $OUT (checkpoints, statistics, logs); their records (result.json, config.yaml,
-# metrics.jsonl) are copied to $RECORDS (results/runs/cpu), which scripts/make_tables.py
-# reads. Runs that already have a result are skipped, so an interrupted reproduction
+# metrics.jsonl) are copied to results/runs/cpu, which scripts/make_tables.py reads. Runs that already have a result are skipped, so an interrupted reproduction
 # continues where it stopped. $JOBS runs at a time (default: one per core), one thread each.
 #   bash scripts/reproduce_cpu.sh            # everything
 #   bash scripts/reproduce_cpu.sh lm lm_stability   # only these groups' runs
@@ -28,7 +27,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/cpu_repro}
-RECORDS=${RECORDS:-results/runs/cpu}  # what scripts/make_tables.py reads
+# where the records are copied; the tables and figures below read results/runs/cpu, so set
+# it only to copy elsewhere (the tests do)
+RECORDS=${RECORDS:-results/runs/cpu}
 JOBS=${JOBS:-$(nproc)}
 NORMS="ln rms bn mabn pn pn_ls nonorm un dyt prepbn"
 ANALYSED="swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln"  # statistics recorded (seed 0)

@@ -336,8 +336,8 @@ def check_gns(data: str, run_dir: str) -> dict:
     sentence's gradient by autograd, with the norms handed the pad mask and without: the
     largest relative differences of |g_i|^2 and |mean_i g_i|^2 over every norm, the
     examples; the same for each micro-batch of an update of two (--update-freq 2); then under
-    --fp16 (loss scale 64), two updates and a skipped third: the steps
-    kept, and the first step against the float32 trainer's."""
+    --fp16 (loss scale 64), two updates and a skipped third: the steps kept, and the first
+    step against the float32 trainer's."""
     summary = {}
     for mask in ("true", "false"):
         cfg, task, batches = setup(data, "ln", "--norm-pad-mask", mask, "--record-gns", run_dir, *TRAIN_FLAGS)
