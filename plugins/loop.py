@@ -23,8 +23,8 @@ from torch import nn
 from tqdm import tqdm
 
 import unnorm
-from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
-                            rejected_steps, run_logger)
+from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, metrics_row,
+                            record_collapse, rejected_steps, run_logger)
 from plugins.training import (Checkpointer, Distributed, backward, optimizer_step, save_gns,
                               save_statistics)
 
@@ -57,14 +57,17 @@ class EpochLoop:
         self.checkpoint = Checkpointer(self.out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
                                        model=model, optimizer=optimizer, scheduler=scheduler,
                                        collapse=self.detector, scaler=scaler, **parts)
-        self.start_epoch, self.step = 0, 0
+        self.start_epoch, self.step, self.metrics = 0, 0, {}
 
     def resume(self, init: str) -> str:
-        """Load ``last.pt`` if the run has one; returns the run's ``init`` description."""
+        """Load ``last.pt`` if the run has one, and make the run's records the ones it covers
+        (``RunDirectory.restore_epochs``); returns the run's ``init`` description."""
         state = self.checkpoint.resume()
         if state is None:
             return init
         self.start_epoch, self.step = state["epoch"] + 1, state["step"]
+        self.metrics = state.get("metrics", {})  # the result's, should no epoch be left
+        self.run.restore_epochs(self.start_epoch, state.get("row"))
         return state["init"]
 
     def fit(self, net: nn.Module, train_set, batch_size: int, sampler, steps_per_epoch: int,
@@ -86,7 +89,7 @@ class EpochLoop:
                        "persistent_workers": cfg.scale.num_workers > 0, "collate_fn": collate_fn}
         logger = run_logger(cfg, self.out_dir, enabled=world.main)
         detector, step = self.detector, self.step
-        metrics: dict = {}
+        metrics: dict = self.metrics
         taps: dict = {}
         try:
             if cfg.record_statistics:
@@ -144,7 +147,7 @@ class EpochLoop:
                            "lr": self.optimizer.param_groups[0]["lr"],
                            **{f"train_{name}": value for name, value in means.items()},
                            "epoch_time_s": time.time() - started, **evaluate(epoch)}
-                self.run.log(**metrics, lr_per_update=lrs)  # the rate each update used
+                row = metrics_row(**metrics, lr_per_update=lrs)  # the rate each update used
                 logger.log(metrics, step=step)
                 for name, tap in taps.items():
                     chunks[name].append(tap.flush())
@@ -156,8 +159,11 @@ class EpochLoop:
                 if world.main:
                     print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
                           f"{summary(metrics)}".rstrip())
-                self.checkpoint.save(epoch=epoch, step=step, init=init,
+                # the commit: the epoch's records count once its checkpoint (holding its
+                # row) is written; a resume drops or completes the rest (restore_epochs)
+                self.checkpoint.save(epoch=epoch, step=step, init=init, metrics=metrics, row=row,
                                      config=OmegaConf.to_container(cfg))
+                self.run.append_row(row)
             meta = {**meta, "epochs": epochs, "init": init}
             meta.update(steps=step, **rejected_steps(self.model.state_dict()))
             result = self.run.write_result(status="ok", metrics=metrics, meta=meta)

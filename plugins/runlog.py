@@ -29,6 +29,7 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
+EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
 
 
 def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
@@ -147,9 +148,35 @@ class RunDirectory:
         return None
 
     def log(self, **metrics: Any) -> None:
+        self.append_row(metrics_row(**metrics))
+
+    def append_row(self, row: str) -> None:
+        """Append one line (``metrics_row``) to ``metrics.jsonl``."""
         if self.writer:
             with open(self.path / METRICS_FILE, "a") as f:
-                f.write(json.dumps({"time": time.time(), **metrics}) + "\n")
+                f.write(row)
+
+    def restore_epochs(self, epochs: int, row: Optional[str]) -> None:
+        """Make the records those of the first ``epochs`` epochs, the ones the checkpoint
+        covers, before a resume runs the next: ``metrics.jsonl`` loses the rows of later
+        epochs (an epoch killed after its row) and a torn last line, and gains epoch
+        ``epochs``'s ``row`` (kept in its checkpoint) when a kill came between the checkpoint
+        and the row; ``stats/`` and ``gns/`` lose the files of later epochs."""
+        if not self.writer:
+            return
+        path = self.path / METRICS_FILE
+        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        kept = [line for line in lines if _row_epoch(line, path) <= epochs]
+        if row is not None and not any(_row_epoch(line, path) == epochs for line in kept):
+            kept.append(row)
+        if kept != lines:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        for folder in EPOCH_FOLDERS:
+            for record in (self.path / folder).glob("epoch_*.pt"):
+                if int(record.stem.split("_")[1]) > epochs:
+                    record.unlink()
 
     def write_result(self, *, status: str, metrics: dict, meta: dict,
                      fail: Optional[TrainingCollapsed] = None) -> dict:
@@ -168,6 +195,23 @@ class RunDirectory:
             tmp.write_text(json.dumps(result, indent=2))
             os.replace(tmp, self.result_path)
         return result
+
+
+def metrics_row(**metrics: Any) -> str:
+    """One line of ``metrics.jsonl``: the metrics and when they were written."""
+    return json.dumps({"time": time.time(), **metrics}) + "\n"
+
+
+def _row_epoch(line: str, path: Path) -> float:
+    """The epoch of a ``metrics.jsonl`` line; a torn line (a kill while it was written, so
+    the last) counts as past every epoch."""
+    try:
+        return json.loads(line)["epoch"]
+    except json.JSONDecodeError:
+        if not line.endswith("\n"):
+            return math.inf
+        raise ValueError(f"{path}: a damaged line that is not the last ({line[:80]!r}); "
+                         "remove it, or start the run again") from None
 
 
 def chance_rule(metric: str, threshold: float, rule: str, lower_is_better: bool = False) -> dict:

@@ -329,7 +329,7 @@ def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
     """The epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
     if run.writer:
         (run.path / "stats").mkdir(exist_ok=True)
-        torch.save(merge_records(chunks), run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")
+        save_atomic(merge_records(chunks), run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")
 
 
 def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> None:
@@ -337,5 +337,5 @@ def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> 
     **batch}``, ``batch`` saying how the examples of a step relate to an update's."""
     if run.writer:
         (run.path / "gns").mkdir(exist_ok=True)
-        torch.save({"layers": merge_records(chunks, unnorm.gns.cat_padded), **batch},
-                   run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")
+        save_atomic({"layers": merge_records(chunks, unnorm.gns.cat_padded), **batch},
+                    run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")

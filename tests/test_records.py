@@ -1,0 +1,138 @@
+"""Run records that a kill cannot corrupt: a kill at every step of an epoch's save (each file
+write and rename, torn writes included), then a resume, leaves the records and weights of the
+uninterrupted run; in the shared loop and in every trainer on it."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from timm.scheduler import create_scheduler_v2
+
+import unnorm
+from plugins.checkpoints import load_checkpoint
+from plugins.loop import EpochLoop
+from plugins.runlog import FINISHED, RunDirectory
+from plugins.training import Distributed
+
+C, SAMPLES, UPDATES, EPOCHS = 6, 48, 3, 2
+TIMES = ("time", "epoch_time_s", "tokens_per_s")  # differ between any two runs
+
+
+class SimulatedKill(BaseException):
+    """A kill: nothing after it runs (not an Exception, so no handler of ours catches it)."""
+
+
+class KillAt:
+    """Counts the save's file operations (``torch.save``, ``os.replace``, ``os.link``, a
+    metrics row's append); the ``at``-th one is torn (a file half written, a rename not done)
+    and the process "dies". ``at=None`` only counts."""
+
+    def __init__(self, monkeypatch, at=None):
+        self.at, self.count = at, 0
+        save, replace, link, append = torch.save, os.replace, os.link, RunDirectory.append_row
+
+        def torn_save(obj, path, *args, **kwargs):
+            save(obj, path, *args, **kwargs)
+            Path(path).write_bytes(Path(path).read_bytes()[:100])
+
+        def torn_append(run, row):
+            append(run, row[: len(row) // 2])
+
+        def counted(real, torn):
+            def operation(*args, **kwargs):
+                self.count += 1
+                if self.count == self.at:
+                    if torn is not None:
+                        torn(*args, **kwargs)
+                    raise SimulatedKill(f"killed at file operation {self.count}")
+                return real(*args, **kwargs)
+            return operation
+
+        monkeypatch.setattr(torch, "save", counted(save, torn_save))
+        monkeypatch.setattr(os, "replace", counted(replace, None))
+        monkeypatch.setattr(os, "link", counted(link, None))
+        monkeypatch.setattr(RunDirectory, "append_row", counted(append, torn_append))
+
+
+def _cfg():
+    return OmegaConf.create({
+        "exp_name": "records", "seed": 0, "norm_sync": "reduce", "record_statistics": True,
+        "record_gns": True, "trust_checkpoint": False, "logger": {"name": "none"},
+        "scale": {"num_workers": 0},
+        "collapse": {"loss_multiple": 5.0, "ema": 0.9, "min_steps": 50, "check_every": 2}})
+
+
+def _loop_run(run_dir: Path) -> dict:
+    """Two epochs of a linear-UN-linear regression through the shared loop, resumed from the
+    run's checkpoint if it has one (statistics and GNS recorded: every record is written)."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 5, C), torch.randn(SAMPLES, 5, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(C, C),
+                                unnorm.build_norm("un", C, warmup_iters=2, window_size=2),
+                                torch.nn.Linear(C, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=EPOCHS,
+                                       warmup_epochs=0, step_on_epochs=False,
+                                       updates_per_epoch=UPDATES)
+    loop = EpochLoop(_cfg(), run_dir, Distributed("cpu"), RunDirectory(run_dir), model,
+                     optimizer, scheduler, None)
+    init = loop.resume("scratch")
+
+    def forward(batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    return loop.fit(model, data, 8, None, UPDATES, EPOCHS, forward=forward,
+                    evaluate=lambda epoch: {"val": model[0].weight.sum().item()}, meta={},
+                    init=init)
+
+
+def records(run_dir: Path) -> dict:
+    """Everything a run leaves that analysis reads, without what differs between any two runs
+    (wall-clock times): metrics rows, result metrics, statistics and GNS files, weights."""
+    rows = [{k: v for k, v in json.loads(line).items() if k not in TIMES}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    result = json.loads((run_dir / "result.json").read_text())
+    files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")
+                   if p.is_file() and p.suffix != ".tmp" and p.name != "run.lock")
+    tensors = {name: load_checkpoint(run_dir / name) for name in files
+               if name.startswith(("stats/", "gns/"))}
+    for name in ("last.pt", "previous.pt"):
+        if (run_dir / name).exists():
+            tensors[name] = load_checkpoint(run_dir / name)["model"]
+    return {"rows": rows, "status": result["status"], "steps": result["steps"],
+            "metrics": {k: v for k, v in result["metrics"].items() if k not in TIMES},
+            "files": files, "tensors": tensors}
+
+
+def assert_same_records(got: dict, want: dict) -> None:
+    tensors = got.pop("tensors"), want.pop("tensors")
+    assert got == want
+    torch.testing.assert_close(tensors[0], tensors[1], rtol=0, atol=0)
+
+
+def test_a_kill_at_any_file_operation_of_the_loop_then_a_resume_gives_the_uninterrupted_run(
+        tmp_path, monkeypatch):
+    with monkeypatch.context() as counting:
+        counter = KillAt(counting)
+        _loop_run(tmp_path / "whole")
+    want = records(tmp_path / "whole")
+    assert [row["epoch"] for row in want["rows"]] == [1, 2] and counter.count >= 10
+    for at in range(1, counter.count + 1):
+        run_dir = tmp_path / f"killed_at_{at}"
+        with monkeypatch.context() as killing, pytest.raises(SimulatedKill):
+            KillAt(killing, at)
+            _loop_run(run_dir)
+        if (run_dir / "result.json").exists():  # killed after the end: nothing left to do
+            continue
+        rows = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
+        committed = load_checkpoint(run_dir / "last.pt")["epoch"] + 1 if (run_dir / "last.pt").exists() else 0
+        assert all(json.loads(line)["epoch"] <= committed for line in rows.splitlines()
+                   if line.endswith("}")), f"a row before its checkpoint (kill at {at})"
+        result = _loop_run(run_dir)
+        assert result["status"] in FINISHED
+        assert_same_records(records(run_dir), dict(want, tensors=dict(want["tensors"]))), at
