@@ -32,7 +32,7 @@ class KillAt:
     and the process "dies". ``at=None`` only counts."""
 
     def __init__(self, monkeypatch, at=None):
-        self.at, self.count = at, 0
+        self.at, self.count, self.names = at, 0, []
         save, replace, link, append = torch.save, os.replace, os.link, RunDirectory.append_row
 
         def torn_save(obj, path, *args, **kwargs):
@@ -45,6 +45,7 @@ class KillAt:
         def counted(real, torn):
             def operation(*args, **kwargs):
                 self.count += 1
+                self.names.append(real.__name__)
                 if self.count == self.at:
                     if torn is not None:
                         torn(*args, **kwargs)
@@ -136,3 +137,61 @@ def test_a_kill_at_any_file_operation_of_the_loop_then_a_resume_gives_the_uninte
         result = _loop_run(run_dir)
         assert result["status"] in FINISHED
         assert_same_records(records(run_dir), dict(want, tensors=dict(want["tensors"]))), at
+
+
+# --- every trainer on the loop: the two kinds of point a kill can hit --------------------------
+
+def _trainer_run(task: str, tmp_path: Path):
+    """``(train, config)`` of a two-epoch run of ``task``'s trainer."""
+    from test_vision import config
+
+    two_epochs = ["scale=cpu", "logger=none", "recipe.cpu.epochs=2", "scale.max_steps_per_epoch=2"]
+    if task == "classification":
+        from plugins.timm.trainer import train
+        return train, config("+exp=swin_t_un", *two_epochs)
+    if task == "detection":
+        from plugins.torchvision.trainer import train
+        from test_detection import _data
+        return train, config("+exp=faster_rcnn_swin_t_un", *two_epochs,
+                             *_data(tmp_path, train=8, val=2))
+    from plugins.lm.data import prepare_tokens
+    from plugins.lm.trainer import train
+    from test_lm import TINY_MODEL, TINY_RECIPE
+    from test_lm_data import tiny_corpus, tiny_documents
+    documents = tiny_documents(120, words=200)
+    corpus = prepare_tokens(tmp_path / "lm", tiny_corpus(documents), lambda: documents,
+                            vocab_size=300, min_frequency=2, valid_fraction=0.2)
+    return train, config("+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
+                         f"data.root={corpus}", "norm.warmup_iters=2", *TINY_MODEL, *TINY_RECIPE)
+
+
+def _kill_point(names: list[str]) -> int:
+    """The operation (1-based) after epoch 1's checkpoint and before its metrics row: the
+    kill that doubled a row (the loop's test above covers every other point)."""
+    return names.index("append_row") + 1
+
+
+@pytest.mark.parametrize("task", [pytest.param("classification", marks=pytest.mark.slow),
+                                  pytest.param("detection", marks=pytest.mark.slow),
+                                  "language_modelling"])
+def test_every_trainer_resumes_a_kill_in_its_save_to_the_uninterrupted_run(task, tmp_path,
+                                                                          monkeypatch):
+    train, cfg = _trainer_run(task, tmp_path)
+    with monkeypatch.context() as counting:
+        counter = KillAt(counting)
+        want = train(cfg, tmp_path / "whole")
+    run_dir = tmp_path / "killed"
+    with monkeypatch.context() as killing, pytest.raises(SimulatedKill):
+        KillAt(killing, _kill_point(counter.names))
+        train(cfg, run_dir)
+    assert "\n" not in (run_dir / "metrics.jsonl").read_text()  # epoch 1's row half written
+    got = train(cfg, run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert got["steps"] == want["steps"] and got["status"] == want["status"]
+    for key, value in want["metrics"].items():
+        if key not in TIMES:
+            assert got["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(load_checkpoint(run_dir / "last.pt")["model"],
+                               load_checkpoint(tmp_path / "whole" / "last.pt")["model"],
+                               rtol=1e-5, atol=1e-6)
