@@ -8,14 +8,17 @@ so ``scripts/make_tables.py`` reads them all alike.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import platform
+import secrets
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import yaml
@@ -27,6 +30,7 @@ from plugins.norms import norm_kwargs
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
+LOCK_FILE = "run.lock"  # held by the run writing the folder (flock), names its holder
 RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
@@ -52,6 +56,54 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
+
+
+def run_folder_suffix() -> str:
+    """What makes a default run folder's name (``hydra.run.dir``) its own beyond the second
+    it starts in, alike on every replica of one launch: torchrun's run id and port, a SLURM
+    job's id, else this process's id and a random part."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('MASTER_PORT', '')}"
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class RunFolderInUse(RuntimeError):
+    """Another live run holds the run folder."""
+
+
+@contextmanager
+def run_folder_lock(path: Path, enabled: bool = True) -> Iterator[None]:
+    """Hold ``<path>/run.lock`` for the block: a second run into the folder is refused.
+
+    An exclusive ``fcntl.flock``, not a file whose existence is the lock: the kernel drops it
+    when the holder exits in any way (SIGKILL and OOM kills included), so a lock left by a
+    dead run never blocks, and no stale-lock guessing from pids is needed. The file keeps the
+    holder's host, pid and start for the refusal; it is never deleted (deleting a flock'd file
+    lets two runs lock two different files). ``enabled=False`` (a replica that does not
+    write) holds nothing.
+    """
+    if not enabled:
+        yield
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK_FILE, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise RunFolderInUse(
+                f"{path} is in use by another run that is still going ({handle.read().strip()}); "
+                "one folder holds one run. Give this run its own folder (leave hydra.run.dir "
+                "unset for a new one, or set hydra.run.dir=<a new folder>), or wait for that run "
+                f"to end before resume={path}") from None
+        handle.truncate(0)
+        handle.write(json.dumps({"host": platform.node(), "pid": os.getpid(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        handle.flush()
+        yield  # closing the file releases the lock
 
 
 class TrainingCollapsed(RuntimeError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import inspect
 import os
 import random
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 import unnorm
 from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
 from plugins.norms import fit_norm_to_run
-from plugins.runlog import RunDirectory, save_atomic
+from plugins.runlog import RunDirectory, RunFolderInUse, run_folder_lock, save_atomic
 from plugins.scale import effective_config
 
 
@@ -190,7 +190,8 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dic
     cfg = effective_config(cfg, overrides)
     world = Distributed(cfg.device)
     try:
-        with no_eager_fallback() if cfg.compile else nullcontext():
+        with hold_run_folder(Path(out_dir), world), (
+                no_eager_fallback() if cfg.compile else nullcontext()):
             return train_fn(cfg, Path(out_dir), world, meta)
     except torch._dynamo.exc.FailOnRecompileLimitHit as error:
         raise RuntimeError(
@@ -199,6 +200,22 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dic
             "eager with compile=false") from error
     finally:
         world.close()
+
+
+@contextmanager
+def hold_run_folder(out_dir: Path, world: Distributed) -> Iterator[None]:
+    """The run folder's lock (``run_folder_lock``), held by rank 0 for the run; every replica
+    raises rank 0's refusal, so none waits at a collective for a rank that left."""
+    with ExitStack() as stack:
+        refusal = None
+        try:
+            stack.enter_context(run_folder_lock(out_dir, enabled=world.main))
+        except RunFolderInUse as error:
+            refusal = str(error)
+        refusal = world.gather(refusal)[0]
+        if refusal is not None:
+            raise RunFolderInUse(refusal)
+        yield
 
 
 def no_eager_fallback(recompile_limit: int = 8, accumulated_recompile_limit: int = 256):

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # plugins/ from a plain checkout
 
-from plugins.runlog import RESULT_FILE  # noqa: E402
+from plugins.runlog import RESULT_FILE, run_folder_suffix  # noqa: E402
+
+SUFFIX = run_folder_suffix()  # once: Hydra may resolve hydra.run.dir more than once
+OmegaConf.register_new_resolver("run_suffix", lambda: SUFFIX)
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")

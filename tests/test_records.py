@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 from timm.scheduler import create_scheduler_v2
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
 from plugins.loop import EpochLoop
-from plugins.runlog import FINISHED, RunDirectory
+from plugins.runlog import FINISHED, LOCK_FILE, RunDirectory, RunFolderInUse
 from plugins.training import Distributed
 
+ROOT = Path(__file__).resolve().parents[1]
 C, SAMPLES, UPDATES, EPOCHS = 6, 48, 3, 2
 TIMES = ("time", "epoch_time_s", "tokens_per_s")  # differ between any two runs
 
@@ -195,3 +200,47 @@ def test_every_trainer_resumes_a_kill_in_its_save_to_the_uninterrupted_run(task,
     torch.testing.assert_close(load_checkpoint(run_dir / "last.pt")["model"],
                                load_checkpoint(tmp_path / "whole" / "last.pt")["model"],
                                rtol=1e-5, atol=1e-6)
+
+
+# --- one run per folder ---------------------------------------------------------------------------
+
+HOLD = ("import sys, time; from pathlib import Path; from plugins.runlog import run_folder_lock\n"
+        "with run_folder_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(120)")
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds ``run_dir`` as a run does."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_run_into_a_held_folder_is_refused_and_a_dead_holder_blocks_nothing(tmp_path):
+    train, cfg = _trainer_run("language_modelling", tmp_path)  # the cheapest on run_task
+    run_dir = tmp_path / "run"
+    holder = _holder(run_dir)
+    try:
+        with pytest.raises(RunFolderInUse, match=rf"{run_dir} is in use by another run .*"
+                                                 rf"\"pid\": {holder.pid}.*hydra\.run\.dir"):
+            train(cfg, run_dir)
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing else written
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding it
+        holder.wait()
+    assert train(cfg, run_dir)["status"] in FINISHED
+
+
+FOLDER = ("import sys; sys.path.insert(0, 'scripts'); import train  # its resolvers\n"
+          "from hydra import compose, initialize_config_dir\n"
+          "with initialize_config_dir(sys.argv[1], version_base='1.3'):\n"
+          "    print(compose('train', ['+exp=swin_t_un'], return_hydra_config=True).hydra.run.dir)")
+
+
+def test_default_run_folders_of_runs_started_together_differ():
+    """scripts/train.py's default hydra.run.dir, in two processes started at once."""
+    runs = [subprocess.Popen([sys.executable, "-c", FOLDER, str(ROOT / "configs")], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    folders = [run.communicate()[0].strip() for run in runs]
+    assert all(folder.startswith("runs/swin_t_un-full/20") for folder in folders), folders
+    assert folders[0] != folders[1], folders

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import unnorm
 from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
-from plugins.runlog import FINISHED
+from plugins.runlog import FINISHED, LOCK_FILE
 from plugins.scale import effective_config
 from plugins.timm import model_from_config
 from plugins.timm.trainer import classifier_prefix, train
@@ -165,7 +165,9 @@ def test_scale_cpu_supplies_defaults_only_for_what_the_command_line_left_unset()
 # --- run records ---------------------------------------------------------------------------------
 
 def _files(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    """The run's files, without the folder's lock (which names the last run to hold it)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
 
 
 @pytest.fixture(scope="module")

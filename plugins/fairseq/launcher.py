@@ -49,8 +49,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from plugins.norms import fit_norm_to_run, norm_kwargs
 from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, RunDirectory,
-                            TrainingCollapsed, record_collapse, rejected_steps, run_logger,
-                            run_meta)
+                            TrainingCollapsed, record_collapse, rejected_steps,
+                            run_folder_lock, run_logger, run_meta)
 from plugins.scale import command_line_values, effective_config, norm_steps_per_update
 
 from .checkpoints import REFUSALS
@@ -344,7 +344,13 @@ def run_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[DictConf
 
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
-    """Train, average, translate and score one run; returns the ``result.json`` content."""
+    """Train, average, translate and score one run, holding its folder (``run_folder_lock``);
+    returns the ``result.json`` content."""
+    with run_folder_lock(Path(out_dir)):
+        return _train(cfg, out_dir, overrides)
+
+
+def _train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str]) -> dict:
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
     cfg, device, world = run_config(cfg, overrides)
     env = FairseqEnv()
