@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -11,11 +12,39 @@ NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options count
 _ABSENT = object()
 
 
-def effective_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+#: what a valid range in ``check_ranges`` may say, and its test
+RANGE_TESTS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1,
+               "> 1": lambda v: v > 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+               "in [0, 1)": lambda v: 0 <= v < 1}
+
+#: options every task reads, with their valid ranges (``check_ranges``)
+COMMON_RANGES = {"lr_multiple": "> 0", "scale.num_workers": ">= 0",
+                 "scale.max_steps_per_epoch": "null or >= 1", "collapse.loss_multiple": "> 1",
+                 "collapse.ema": "in [0, 1)", "collapse.min_steps": ">= 0",
+                 "collapse.check_every": ">= 1"}
+
+
+def check_ranges(cfg: DictConfig, ranges: Mapping[str, str]) -> None:
+    """Refuse at the start, by name, an option outside its valid range (``{"recipe.lr":
+    "> 0"}``; ``"null or ..."`` allows null), before it fails deep in other code (a zero
+    division, a scheduler's assertion) or trains without a word."""
+    for option, valid in ranges.items():
+        value = OmegaConf.select(cfg, option)
+        rule = valid.removeprefix("null or ")
+        if value is None and rule != valid:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not RANGE_TESTS[rule](value):
+            raise ValueError(f"{option} must be {valid}, got {value!r}")
+
+
+def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
+                     ranges: Mapping[str, str] = MappingProxyType({})) -> DictConfig:
     """Apply ``scale`` (e.g. cpu) to a copy of the config: the model's small variant, the
     embedded data, a short schedule, and the norms' step counts shrunk with it. The scale
     only supplies defaults: every value the command line set (``overrides``, Hydra's
-    ``key=value`` strings) is kept as given."""
+    ``key=value`` strings) is kept as given. The values that will run are checked against
+    ``ranges`` and ``COMMON_RANGES`` (``check_ranges``) before anything computes with them."""
     given = cfg
     cfg = cfg.copy()
     scale = cfg.scale
@@ -30,6 +59,7 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConf
     explicit = command_line_values(given, overrides)
     for key in explicit:
         OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
+    check_ranges(cfg, {**COMMON_RANGES, **ranges})
     if scale.scale_norm_steps:  # against the schedule that runs, command-line values included
         factor = lr_warmup_steps(cfg, cfg.scale.get("max_steps_per_epoch")) / lr_warmup_steps(given)
         cfg.scale.norm_step_factor = factor

@@ -7,7 +7,8 @@ import os
 import random
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from types import MappingProxyType
+from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -182,12 +183,14 @@ def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters) ->
         optimizer.step()
 
 
-def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
-    """Apply the scale switch, join the process group, and run ``train_fn(cfg, out_dir,
-    world, meta)``; ``overrides`` (the command line's) are recorded so tables can tell sweeps
-    from defaults."""
+def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = (),
+             ranges: Mapping[str, str] = MappingProxyType({})) -> dict:
+    """Apply the scale switch (refusing an option outside its range: the task's ``ranges``
+    and every task's, ``check_ranges``), join the process group, and run ``train_fn(cfg,
+    out_dir, world, meta)``; ``overrides`` (the command line's) are recorded so tables can
+    tell sweeps from defaults."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg, overrides)
+    cfg = effective_config(cfg, overrides, ranges)
     world = Distributed(cfg.device)
     try:
         with hold_run_folder(Path(out_dir), world), (

@@ -422,7 +422,14 @@ class PreparedCorpus:
         if split not in self.meta["splits"]:
             raise ValueError(f"corpus {self.name} has no split {split!r}; it has {sorted(self.meta['splits'])}")
         files = [self.root / name for name in self.meta["splits"][split]["files"]]
-        return TokenWindows(files, self.meta["dtype"], context)
+        windows = TokenWindows(files, self.meta["dtype"], context)
+        if not len(windows):
+            longest = max((f.stat().st_size // np.dtype(self.meta["dtype"]).itemsize for f in files),
+                          default=0)
+            raise ValueError(f"model.context {context} is longer than the {split} data of "
+                             f"{self.name} at {self.root} (its longest shard holds {longest} "
+                             f"tokens, a window needs {context + 1}); lower model.context")
+        return windows
 
     def record(self) -> dict:
         """For ``result.json``: the corpus (name, version, content hash; not its file list),

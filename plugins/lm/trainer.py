@@ -15,23 +15,39 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from timm.scheduler import create_scheduler_v2
 
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
-from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
-                              load_weights, run_task)
+from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
+                              epoch_plan, load_weights, run_task)
 
 from .data import prepare_corpus, unigram_loss
 from .leak import future_leak, training_copy
 from .model import build_lm
 
 
+RANGES = {"model.context": ">= 1", "recipe.max_steps": ">= 1", "recipe.warmup_steps": ">= 0",
+          "recipe.min_lr_ratio": "in [0, 1]", "recipe.batch_size": ">= 1",
+          "recipe.micro_batch_size": ">= 1", "recipe.lr": "> 0", "recipe.weight_decay": ">= 0",
+          "recipe.clip_grad": "null or > 0", "recipe.eval_every": ">= 1",
+          "recipe.eval_tokens": ">= 1", "recipe.interval_eval_tokens": ">= 1"}
+EVAL_BUDGETS = ("recipe.eval_tokens", "recipe.interval_eval_tokens")  # each >= one context
+
+
+def check_eval_budgets(cfg: DictConfig) -> None:
+    """Refuse, by name, an evaluation budget of less than one window (it would score nothing)."""
+    for option in EVAL_BUDGETS:
+        if OmegaConf.select(cfg, option) < cfg.model.context:
+            raise ValueError(f"{option} must be at least one context (model.context="
+                             f"{cfg.model.context} tokens), got {OmegaConf.select(cfg, option)}")
+
+
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and validate one run; returns the ``result.json`` content."""
-    return run_task(_train, cfg, out_dir, overrides)
+    return run_task(_train, cfg, out_dir, overrides, RANGES)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
@@ -60,6 +76,7 @@ def validation_loss(model, windows, batch_size: int, world: Distributed, amp) ->
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
     recipe, device = cfg.recipe, world.device
+    check_eval_budgets(cfg)
     corpus = prepare_corpus(cfg.data)
     context = cfg.model.context
     train_set, val_set = corpus.windows("train", context), corpus.windows("validation", context)

@@ -20,11 +20,18 @@ from torch import nn
 
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import chance_rule, run_meta
-from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
-                              load_weights, require_init, run_task)
+from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
+                              epoch_plan, load_weights, require_init, run_task)
 
 from .data import build_datasets
 from .models import model_from_config
+
+
+RANGES = {"recipe.lr": "> 0", "recipe.lr_batch": "> 0", "recipe.batch_size": ">= 1",
+          "recipe.epochs": ">= 1", "recipe.warmup_epochs": ">= 0", "recipe.warmup_lr": ">= 0",
+          "recipe.min_lr": ">= 0", "recipe.weight_decay": ">= 0", "recipe.clip_grad": "null or > 0",
+          "recipe.label_smoothing": "in [0, 1)", "recipe.backbone_lr_ratio": ">= 0",
+          "recipe.model_ema.decay": "in [0, 1]"}
 
 
 def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: float) -> list[dict]:
@@ -68,7 +75,7 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 
     ``overrides`` (the command line's) are recorded so tables can tell sweeps from defaults.
     """
-    return run_task(_train, cfg, out_dir, overrides)
+    return run_task(_train, cfg, out_dir, overrides, RANGES)
 
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:

@@ -18,12 +18,18 @@ from timm.scheduler import create_scheduler_v2
 
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import DETECTION_CHANCE, run_meta
-from plugins.training import (Distributed, amp_context, begin_run, data_parallel, epoch_plan,
-                              load_weights, require_init, run_task)
+from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
+                              epoch_plan, load_weights, require_init, run_task)
 
 from .coco import CocoInstances, coco_evaluate, collate, to_coco_results
 from .detectors import CLASSIFIER_ONLY, build_detector
 from .shapes import ensure_shapes
+
+
+RANGES = {"recipe.lr": "> 0", "recipe.lr_batch": "> 0", "recipe.batch_size": ">= 1",
+          "recipe.epochs": ">= 1", "recipe.warmup_iters": ">= 0", "recipe.warmup_ratio": "in [0, 1]",
+          "recipe.decay_rate": "> 0", "recipe.weight_decay": ">= 0",
+          "recipe.clip_grad": "null or > 0", "recipe.eval_every": ">= 1"}
 
 
 def build_datasets(data_cfg, masks: bool) -> tuple[CocoInstances, CocoInstances]:
@@ -57,7 +63,7 @@ def evaluate(model, dataset: CocoInstances, batch_size: int, world: Distributed,
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and evaluate one detection run; returns the ``result.json`` content."""
-    return run_task(_train, cfg, out_dir, overrides)
+    return run_task(_train, cfg, out_dir, overrides, RANGES)
 
 
 def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
