@@ -168,6 +168,9 @@ def gpus(monkeypatch):
     (["reset_norm_steps=true"], ValueError, "set init_from="),
     (["+recipe.train.fp16=true"], ValueError, "set amp=false"),
     (["amp=false", "+recipe.train.bf16=true"], ValueError, "implies --tpu"),
+    (["amp=bf16"], ValueError, "amp=bf16: fairseq 0.12.2's --bf16 implies --tpu"),
+    (["amp=fp16"], ValueError, "amp=fp16: fairseq trains in fp16 on CUDA only; on a CPU use amp=auto"),
+    (["amp=true"], ValueError, "amp=True: choose amp=auto"),
     (["device=cuda"], RuntimeError, "use device=cpu"),
 ])
 def test_settings_translation_cannot_honour_are_refused(overrides, error, fix, gpus, tmp_path,
@@ -181,7 +184,7 @@ def test_settings_translation_cannot_honour_are_refused(overrides, error, fix, g
 
 
 def test_amp_trains_in_half_precision_on_cuda_only(gpus, tmp_path):
-    """amp=true (the default): fairseq's --fp16 on a GPU (its loss scaler, which
+    """amp=auto (the default): fairseq's --fp16 on a GPU (its loss scaler, which
     plugins.fairseq.train keeps from the norms); on CPU nothing, as
     plugins.training.amp_context. Training runs through plugins.fairseq.train."""
     def command(*overrides):
@@ -194,6 +197,7 @@ def test_amp_trains_in_half_precision_on_cuda_only(gpus, tmp_path):
     assert not set(on_cpu) & {"--fp16", "--bf16", "--amp"} and on_cpu[-3:] == ["--cpu", "--distributed-world-size", "1"]
     gpus(1)
     assert "--fp16" in command() and "--cpu" not in command()
+    assert "--fp16" in command("amp=fp16")
     assert not set(command("amp=false")) & {"--fp16", "--bf16", "--amp"}
     assert "--amp" in command("amp=false", "+recipe.train.amp=true")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +89,45 @@ def test_batch_statistics_see_the_future_and_per_position_norms_do_not(norm):
     if norm in ("bn", "prepbn"):  # their causal option pools over positions <= t only
         cfg = config(f"+exp=llama_71m_{norm}", *TINY_MODEL, *handed_over, "norm.causal=true")
         assert not future_leak(build_lm(cfg.model, cfg.norm, vocab_size=300), inputs)["leaks"]
+
+
+def _lm_replica(rank, port, runs):
+    """Replica ``rank`` of two (gloo, as under torchrun) training each ``(overrides, run)``."""
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    for overrides, run_dir in runs:
+        train(config(*overrides), Path(run_dir))
+
+
+@pytest.mark.slow
+def test_the_scale_path_runs_on_a_cpu_with_two_replicas_and_accumulation(corpus_root, tmp_path):
+    """The GPU scale path rehearsed on a CPU, 2 gloo replicas x 2 accumulated micro-batches
+    per update: amp=bf16 autocasts (its weights differ from float32's) and amp=fp16 trains
+    with unnorm.GradScaler (its scale in last.pt); both train as float32 does, and UN counts
+    every micro-batch alike."""
+    import torch.multiprocessing as mp
+    from test_vision import free_port
+
+    base = ["+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
+            f"data.root={corpus_root}", "norm.warmup_iters=2", *TINY_MODEL, *TINY_RECIPE,
+            "recipe.micro_batch_size=2"]  # 8 sequences per update: 2 replicas x 2 x 2
+    runs = [([*base, f"amp={amp}"], str(tmp_path / amp)) for amp in ("false", "bf16", "fp16")]
+    mp.start_processes(_lm_replica, args=(free_port(), runs), nprocs=2, start_method="spawn")
+    results = {amp: json.loads((tmp_path / amp / "result.json").read_text())
+               for amp in ("false", "bf16", "fp16")}
+    for amp, result in results.items():
+        assert result["status"] in FINISHED and result["world_size"] == 2, amp
+        assert result["accumulate"] == 2 and result["steps"] == 4, amp
+        saved = load_checkpoint(tmp_path / amp / "last.pt")
+        counters = {int(v) for k, v in saved["model"].items() if k.endswith("num_iters")}
+        assert counters == {8}, amp  # 4 updates x 2 micro-batches on each replica
+        assert (saved["scaler"] is not None) == (amp == "fp16"), amp
+        if amp != "false":
+            float32 = load_checkpoint(tmp_path / "false" / "last.pt")["model"]
+            assert any(not torch.equal(saved["model"][k], v) for k, v in float32.items()), \
+                f"{amp}: trained exactly as float32 (no autocast)"
+            want, got = results["false"]["metrics"], result["metrics"]
+            assert got["val_loss"] == pytest.approx(want["val_loss"], abs=0.05), amp
+    assert 0 < load_checkpoint(tmp_path / "fp16" / "last.pt")["scaler"]["scale"] < math.inf

@@ -247,15 +247,20 @@ def test_recipe_opt_is_timms_optimizer_of_that_name_as_in_torchvision(tmp_path):
 
 
 def test_amp_is_autocast_on_cuda_only_with_a_scaler_the_norms_do_not_see(monkeypatch):
-    """As plugins.training.amp_context: nothing on the CPU (amp=true is the default), bf16 on
-    a GPU that has it, else fp16 with a dynamic loss scale, whose scaler becomes
-    ``unnorm.GradScaler`` (with the state it had) once the model is built."""
-    assert amp_optim_wrapper(True, torch.device("cpu")) == {"type": "OptimWrapper"}
+    """As plugins.training.amp_context: float32 on the CPU under amp=auto (the default) and
+    autocast there refused (mmengine's is GPU-only), bf16 on a GPU that has it, else fp16
+    with a dynamic loss scale, whose scaler becomes ``unnorm.GradScaler`` (with the state it
+    had) once the model is built."""
+    assert amp_optim_wrapper("auto", torch.device("cpu")) == {"type": "OptimWrapper"}
     assert amp_optim_wrapper(False, torch.device("cuda")) == {"type": "OptimWrapper"}
+    for amp in ("bf16", "fp16"):
+        with pytest.raises(ValueError, match=f"amp={amp}: mmengine's AmpOptimWrapper .* amp=auto"):
+            amp_optim_wrapper(amp, torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert amp_optim_wrapper(True, torch.device("cuda"))["dtype"] == "bfloat16"
+    assert amp_optim_wrapper("auto", torch.device("cuda"))["dtype"] == "bfloat16"
+    assert amp_optim_wrapper("fp16", torch.device("cuda"))["dtype"] == "float16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert amp_optim_wrapper(True, torch.device("cuda")) == {
+    assert amp_optim_wrapper("auto", torch.device("cuda")) == {
         "type": "AmpOptimWrapper", "dtype": "float16", "loss_scale": "dynamic"}
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), unnorm.build_norm("un", 4))

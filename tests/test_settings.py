@@ -33,6 +33,8 @@ LM = ["+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0", *
     ("lr_multiple=0", "lr_multiple must be > 0, got 0"),
     ("collapse.check_every=0", "collapse.check_every must be >= 1, got 0"),
     ("recipe.lr=abc", "recipe.lr must be > 0, got 'abc'"),
+    ("amp=true", "amp=True: choose amp=auto (autocast on a GPU"),
+    ("amp=fp32", "amp='fp32': choose amp=auto"),
 ])
 def test_language_modelling_refuses_a_bad_setting_by_name(override, message, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -52,6 +52,7 @@ from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, 
                             TrainingCollapsed, record_collapse, rejected_steps,
                             run_folder_lock, run_logger, run_meta)
 from plugins.scale import command_line_values, effective_config, norm_steps_per_update
+from plugins.training import check_amp
 
 from .checkpoints import REFUSALS
 from .data import prepare
@@ -63,7 +64,7 @@ CHECKPOINT = "checkpoints/checkpoint_last.pt"  # what resume= looks for in a run
 INIT = "init.pt"  # init_from as fairseq starts from it (read safely, counters reset if asked)
 # fairseq's own ways of stopping on a numerical failure
 FAIRSEQ_FAILURES = ("Minimum loss scale reached", "gradients are Nan/Inf", "FloatingPointError")
-# fairseq-train's precision flags; amp=true chooses one itself
+# fairseq-train's precision flags; amp (but false) chooses one itself
 PRECISION_FLAGS = ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16")
 TPU_ONLY_FLAGS = ("bf16", "memory_efficient_bf16")  # fairseq 0.12.2: --bf16 implies --tpu
 _LOG_RECORD = re.compile(r"\| (train_inner|train|valid) \| (\{.*\})\s*$")
@@ -134,9 +135,9 @@ def check_settings(cfg: DictConfig) -> None:
     if tpu_only:
         raise ValueError(f"recipe.train.{tpu_only[0]}: fairseq 0.12.2's --bf16 implies --tpu "
                          "(torch_xla), which this project does not run; on GPUs train in half "
-                         "precision with amp=true (fairseq's --fp16)")
+                         "precision with amp=auto (fairseq's --fp16)")
     if cfg.amp and chosen:
-        raise ValueError(f"amp=true picks fairseq's precision itself (--fp16 on CUDA), and "
+        raise ValueError(f"amp={cfg.amp} picks fairseq's precision itself (--fp16 on CUDA), and "
                          f"recipe.train sets {', '.join(chosen)} too; set amp=false to train "
                          "with the recipe's flag")
 
@@ -185,8 +186,21 @@ def run_length(cfg: DictConfig) -> int:
     return (cfg.recipe.train.max_update or 0) * norm_steps_per_update(cfg)
 
 
+def check_precision(cfg: DictConfig, device: str) -> None:
+    """Refuse an ``amp`` fairseq cannot train in on ``device``: it has bf16 only on TPUs, and
+    fp16 only on CUDA (other values: as ``plugins.training.autocast_dtype`` says)."""
+    check_amp(cfg.amp)
+    if cfg.amp == "bf16":
+        raise ValueError("amp=bf16: fairseq 0.12.2's --bf16 implies --tpu (torch_xla), which this "
+                         "project does not run; on GPUs use amp=auto or amp=fp16 (fairseq's --fp16)")
+    if cfg.amp == "fp16" and device != "cuda":
+        raise ValueError("amp=fp16: fairseq trains in fp16 on CUDA only; on a CPU use amp=auto or "
+                         "amp=false (float32); the other tasks' trainers rehearse autocast on a CPU")
+
+
 def precision_flags(cfg: DictConfig, device: str) -> list[str]:
-    """``amp: true`` on CUDA: fairseq's ``--fp16`` (its loss scaler); nothing off CUDA."""
+    """``amp=auto`` or ``amp=fp16`` on CUDA: fairseq's ``--fp16`` (its loss scaler); float32
+    otherwise (``check_precision`` refused the rest)."""
     return ["--fp16"] if cfg.amp and device == "cuda" else []
 
 
@@ -338,21 +352,22 @@ def run_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[DictConf
     given, cfg = cfg, effective_config(cfg, overrides)
     check_settings(cfg)
     device = fairseq_device(cfg)
+    check_precision(cfg, device)
     world = replicas(cfg, device)
     cfg = fit_update_freq(cfg, given, overrides, world)
     return fit_norm_to_run(cfg, run_length(cfg)), device, world
 
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
-    """Train, average, translate and score one run, holding its folder (``run_folder_lock``);
-    returns the ``result.json`` content."""
-    with run_folder_lock(Path(out_dir)):
-        return _train(cfg, out_dir, overrides)
-
-
-def _train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str]) -> dict:
+    """Train, average, translate and score one run, holding its folder (``run_folder_lock``)
+    once its settings pass; returns the ``result.json`` content."""
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
     cfg, device, world = run_config(cfg, overrides)
+    with run_folder_lock(Path(out_dir)):
+        return _train(cfg, out_dir, meta, device, world)
+
+
+def _train(cfg: DictConfig, out_dir: Path, meta: dict, device: str, world: int) -> dict:
     env = FairseqEnv()
     data = prepare(cfg.data, env.prefix)
     run = RunDirectory(Path(out_dir))

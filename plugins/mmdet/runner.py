@@ -18,9 +18,9 @@ Conventions shared with the other trainers:
   ``accumulative_counts`` too), so the run's length in iterations is what
   ``fit_norm_to_run`` gets.
 - ``device`` is honoured (mmengine alone would take any visible GPU); ``amp`` is bf16, or
-  fp16 with a loss scaler the norms do not see (``unnorm.GradScaler``), on CUDA, and nothing
-  elsewhere, as ``plugins.training.amp_context``; ``recipe.opt`` is timm's optimizer of that
-  name, as in the torchvision backend; ``scale.max_steps_per_epoch`` caps the batches of an
+  fp16 with a loss scaler the norms do not see (``unnorm.GradScaler``), on CUDA, as
+  ``plugins.training.amp_context`` decides, and autocast on a CPU is refused (mmengine's
+  is GPU-only); ``recipe.opt`` is timm's optimizer of that name, as in the torchvision backend; ``scale.max_steps_per_epoch`` caps the batches of an
   epoch; ``logger`` as everywhere (``plugins.logger``).
 - Checkpoints load with ``weights_only=True`` (``plugins.checkpoints``); mmengine's logged
   values (``HistoryBuffer``s, whose pickle calls ``getattr``) are saved as plain lists and
@@ -54,8 +54,8 @@ from plugins.checkpoints import load_checkpoint
 from plugins.norms import norm_kwargs
 from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
                             record_collapse, rejected_steps, run_logger, run_meta, save_atomic)
-from plugins.training import (Distributed, begin_run, per_replica_buffers, read_checkpoint,
-                              require_init, run_task)
+from plugins.training import (Distributed, autocast_dtype, begin_run, per_replica_buffers,
+                              read_checkpoint, require_init, run_task)
 
 from . import norm_cfg
 from .convert import convert_checkpoint
@@ -212,12 +212,18 @@ def paper_config(cfg: DictConfig) -> Config:
     return Config.fromfile(str(CONFIGS / f"{name}_3x_coco.py"))
 
 
-def amp_optim_wrapper(enabled: bool, device: torch.device) -> dict:
-    """mmengine's optim wrapper for ``amp``: autocast on CUDA only, bf16 where supported, else
-    fp16 with a dynamic loss scale, as ``plugins.training.amp_context``; plain fp32 elsewhere."""
-    if not enabled or device.type != "cuda":
+def amp_optim_wrapper(amp, device: torch.device) -> dict:
+    """mmengine's optim wrapper for ``amp``, as ``plugins.training.autocast_dtype`` decides:
+    bf16, or fp16 with a dynamic loss scale; plain fp32 for float32. mmengine's
+    ``AmpOptimWrapper`` runs on GPUs only, so autocast on a CPU is refused."""
+    dtype = autocast_dtype(amp, device)
+    if dtype is None:
         return {"type": "OptimWrapper"}
-    if torch.cuda.is_bf16_supported():
+    if device.type != "cuda":
+        raise ValueError(f"amp={amp}: mmengine's AmpOptimWrapper autocasts on GPUs only; train "
+                         "the mmdet backend on a CPU with amp=auto or amp=false, or rehearse "
+                         "autocast on a CPU with the torchvision backend (model.backend=torchvision)")
+    if dtype == torch.bfloat16:
         return {"type": "AmpOptimWrapper", "dtype": "bfloat16", "loss_scale": {"enabled": False}}
     return {"type": "AmpOptimWrapper", "dtype": "float16", "loss_scale": "dynamic"}
 
