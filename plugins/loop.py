@@ -23,8 +23,8 @@ from torch import nn
 from tqdm import tqdm
 
 import unnorm
-from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, metrics_row,
-                            record_collapse, rejected_steps, run_logger)
+from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
+                            metrics_row, record_collapse, rejected_steps, run_logger)
 from plugins.training import (Checkpointer, Distributed, backward, optimizer_step, save_gns,
                               save_statistics)
 
@@ -40,12 +40,14 @@ class EpochLoop:
     ``stats_module`` is what ``record_statistics=true`` and ``record_gns=true`` tap (default:
     ``model``).
     ``scheduler`` is a timm scheduler stepped per optimizer update (``step_on_epochs=False``):
-    warm-ups at CPU scale last about an epoch, which a per-epoch schedule would make one jump."""
+    warm-ups at CPU scale last about an epoch, which a per-epoch schedule would make one jump.
+    ``data`` is what the run records about its data (names, hashes): kept in every
+    checkpoint, and a resume onto other data is refused."""
 
     def __init__(self, cfg: DictConfig, out_dir: Path, world: Distributed, run: RunDirectory,
                  model: nn.Module, optimizer, scheduler, scaler, *,
                  replicas: Sequence[nn.Module] = (), stats_module: Optional[nn.Module] = None,
-                 **parts):
+                 data: Optional[dict] = None, **parts):
         if getattr(scheduler, "t_in_epochs", False):
             raise ValueError("the training loop steps the learning rate per optimizer update; "
                              "build the scheduler with create_scheduler_v2(..., step_on_epochs=False)")
@@ -53,6 +55,7 @@ class EpochLoop:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.replicas = list(replicas) or [model]
         self.stats_module = stats_module if stats_module is not None else model
+        self.data = data
         self.detector = CollapseDetector(**cfg.collapse)
         self.checkpoint = Checkpointer(self.out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
                                        model=model, optimizer=optimizer, scheduler=scheduler,
@@ -65,6 +68,11 @@ class EpochLoop:
         state = self.checkpoint.resume()
         if state is None:
             return init
+        differing = config_differences(state.get("data"), self.data)
+        if state.get("data") is not None and differing:
+            raise ValueError(f"refusing to resume {self.out_dir}: its data differs from what the "
+                             f"run trained on: {', '.join(differing)}. Resume with the run's own "
+                             "data (rebuild it as it was), or start a new run without resume=")
         self.start_epoch, self.step = state["epoch"] + 1, state["step"]
         self.metrics = state.get("metrics", {})  # the result's, should no epoch be left
         self.run.restore_epochs(self.start_epoch, state.get("row"))
@@ -162,7 +170,7 @@ class EpochLoop:
                 # the commit: the epoch's records count once its checkpoint (holding its
                 # row) is written; a resume drops or completes the rest (restore_epochs)
                 self.checkpoint.save(epoch=epoch, step=step, init=init, metrics=metrics, row=row,
-                                     config=OmegaConf.to_container(cfg))
+                                     data=self.data, config=OmegaConf.to_container(cfg))
                 self.run.append_row(row)
             meta = {**meta, "epochs": epochs, "init": init}
             meta.update(steps=step, **rejected_steps(self.model.state_dict()))

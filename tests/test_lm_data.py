@@ -8,6 +8,8 @@ import hashlib
 import json
 import multiprocessing
 import pickle
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -301,4 +303,108 @@ def test_prepare_script_errors_name_the_fix(tmp_path, monkeypatch):
     cfg = OmegaConf.load(REPO / "configs" / "data" / "lm_c4.yaml")
     cfg.root = str(tmp_path / "absent")
     with pytest.raises(FileNotFoundError, match="prepare them with: python scripts/prepare_lm_corpus.py c4"):
+        prepare_corpus(cfg)
+
+
+# --- a damaged or foreign prepared directory is refused on open -----------------------------------
+
+REBUILD = "python scripts/prepare_lm_corpus.py c4 ..."
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    documents = tiny_documents(80)
+    return prepare_tokens(tmp_path_factory.mktemp("prepared"), tiny_corpus(documents),
+                          lambda: documents, vocab_size=300, min_frequency=2, valid_fraction=0.2)
+
+
+def _damaged(prepared, tmp_path, damage) -> Path:
+    """A copy of the prepared directory, ``damage(root, meta)`` done to it."""
+    root = tmp_path / "copy"
+    shutil.copytree(prepared, root)
+    meta = json.loads((root / "meta.json").read_text())
+    damage(root, meta)
+    return root
+
+
+def _shard(root, meta, split="train") -> Path:
+    return root / meta["splits"][split]["files"][0]
+
+
+def _rewrite_meta(root, meta) -> None:
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
+def _cut_to_an_eighth(root, meta):
+    shard = _shard(root, meta)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 16 * 2])
+
+
+def _odd_length(root, meta):
+    with open(_shard(root, meta), "ab") as f:
+        f.write(b"\0")
+
+
+def _changed_token(root, meta):
+    tokens = np.fromfile(_shard(root, meta), dtype=np.uint16)
+    tokens[5] = (tokens[5] + 1) % 300
+    tokens.tofile(_shard(root, meta))
+
+
+def _id_past_the_vocabulary(root, meta):
+    """A token id of 305 (vocabulary 300), with meta.json's hash made to match."""
+    tokens = np.fromfile(_shard(root, meta), dtype=np.uint16)
+    tokens[5] = 305
+    tokens.tofile(_shard(root, meta))
+    name = meta["splits"]["train"]["files"][0]
+    meta["splits"]["train"]["shards"][name]["sha256"] = hashlib.sha256(tokens.tobytes()).hexdigest()
+    _rewrite_meta(root, meta)
+
+
+def _empty_validation(root, meta):
+    meta["splits"]["validation"].update(files=[], shards={}, tokens=0)
+    _rewrite_meta(root, meta)
+
+
+def _cut_meta(root, meta):
+    (root / "meta.json").write_text((root / "meta.json").read_text()[:200])
+
+
+def _older_format(root, meta):
+    meta["format"] = 1
+    _rewrite_meta(root, meta)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_cut_to_an_eighth, r"train_00000.bin holds \d+ bytes, meta.json records \d+ uint16 tokens"),
+    (_odd_length, r"train_00000.bin holds \d+ bytes, meta.json records \d+ uint16 tokens"),
+    (_changed_token, r"train_00000.bin hashes to [0-9a-f]{64}, meta.json records [0-9a-f]{64}"),
+    (_id_past_the_vocabulary, r"train_00000.bin holds token id 305, past the vocabulary of 300"),
+    (_empty_validation, r"the validation split is empty \(no tokens\)"),
+    (_cut_meta, r"meta.json is damaged \(.*\)"),
+    (_older_format, r"meta.json is prepared data of format 1, this checkout reads format 2"),
+])
+def test_damaged_prepared_data_is_refused_naming_the_file_and_the_rebuild(prepared, tmp_path,
+                                                                         damage, message):
+    root = _damaged(prepared, tmp_path, damage)
+    cfg = OmegaConf.create({"name": "lm_c4", "root": str(root), "prepare": REBUILD})
+    with pytest.raises(ValueError, match=rf"{re.escape(str(root))}.*{message}.*{re.escape(REBUILD)}"):
+        prepare_corpus(cfg)
+    prepare_corpus(OmegaConf.create({"name": "lm_c4", "root": str(prepared), "prepare": REBUILD}))
+
+
+def test_a_pinned_corpus_whose_meta_names_another_version_is_refused(prepared, tmp_path,
+                                                                    monkeypatch):
+    """A cache of the pinned corpus (``data.corpus``) whose meta.json names another version
+    and hash than the pin is refused, naming the command that rebuilds it."""
+    meta = json.loads((prepared / "meta.json").read_text())
+    pin = data.CorpusPin(package="tiny", version="0", sha256=meta["corpus"]["sha256"], documents=80,
+                         bytes=1)
+    root = _damaged(prepared, tmp_path, lambda root, meta: _rewrite_meta(
+        root, {**meta, "corpus": {**pin.record(), "version": "1", "sha256": "0" * 64}}))
+    monkeypatch.setitem(CORPORA, "tiny_py", pin)
+    monkeypatch.setattr(data, "prepare_cpu_corpus", lambda data_cfg: root)
+    cfg = OmegaConf.create({"name": "lm_cpu", "root": str(tmp_path), "corpus": "tiny_py"})
+    with pytest.raises(ValueError, match=rf"meta.json names the corpus .*'version': '1'.*"
+                                         rf"rm -r {re.escape(str(root))}"):
         prepare_corpus(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,13 +162,19 @@ def _trainer_run(task: str, tmp_path: Path):
                              *_data(tmp_path, train=8, val=2))
     from plugins.lm.data import prepare_tokens
     from plugins.lm.trainer import train
-    from test_lm import TINY_MODEL, TINY_RECIPE
     from test_lm_data import tiny_corpus, tiny_documents
     documents = tiny_documents(120, words=200)
     corpus = prepare_tokens(tmp_path / "lm", tiny_corpus(documents), lambda: documents,
                             vocab_size=300, min_frequency=2, valid_fraction=0.2)
-    return train, config("+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
-                         f"data.root={corpus}", "norm.warmup_iters=2", *TINY_MODEL, *TINY_RECIPE)
+    return train, _lm_config(corpus)
+
+
+def _lm_config(corpus: Path):
+    """A two-evaluation LM run of the tiny model on the prepared data at ``corpus``."""
+    from test_lm import TINY_MODEL, TINY_RECIPE
+    from test_vision import config
+    return config("+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
+                  f"data.root={corpus}", "norm.warmup_iters=2", *TINY_MODEL, *TINY_RECIPE)
 
 
 def _kill_point(names: list[str]) -> int:
@@ -244,3 +251,29 @@ def test_default_run_folders_of_runs_started_together_differ():
     folders = [run.communicate()[0].strip() for run in runs]
     assert all(folder.startswith("runs/swin_t_un-full/20") for folder in folders), folders
     assert folders[0] != folders[1], folders
+
+
+def test_a_resume_onto_other_data_is_refused_naming_what_differs(tmp_path, monkeypatch):
+    """The run's data record (the corpus, its splits' hashes) is in every checkpoint: a resume
+    whose prepared data differs (rebuilt from other documents) is refused, writing nothing."""
+    from plugins.lm.data import prepare_tokens
+    from test_lm_data import tiny_corpus, tiny_documents
+
+    train, cfg = _trainer_run("language_modelling", tmp_path)
+    with monkeypatch.context() as counting:
+        counter = KillAt(counting)
+        train(cfg, tmp_path / "whole")
+    run_dir = tmp_path / "killed"
+    with monkeypatch.context() as killing, pytest.raises(SimulatedKill):
+        KillAt(killing, counter.names.index("append_row") + 2)  # after epoch 1's row
+        train(cfg, run_dir)
+    documents = tiny_documents(121, words=200)  # one document more
+    other = prepare_tokens(tmp_path / "other", tiny_corpus(documents), lambda: documents,
+                           vocab_size=300, min_frequency=2, valid_fraction=0.2)
+    shutil.rmtree(cfg.data.root)  # the data swapped in place: the options stay the same
+    shutil.copytree(other, cfg.data.root)
+    before = {p: p.read_bytes() for p in run_dir.iterdir() if p.name != LOCK_FILE}
+    with pytest.raises(ValueError, match=rf"refusing to resume {run_dir}: its data differs from "
+                                         r"what the run trained on: .*sha256"):
+        train(cfg, run_dir)
+    assert {p: p.read_bytes() for p in run_dir.iterdir() if p.name != LOCK_FILE} == before

@@ -120,7 +120,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         warmup_epochs=recipe.warmup_steps / updates_per_epoch, warmup_lr=0.0, warmup_prefix=True,
         min_lr=recipe.lr * cfg.lr_multiple * recipe.min_lr_ratio, step_on_epochs=False)
     amp, scaler = amp_context(cfg.amp, device, model)
-    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler)
+    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler,
+                     data=corpus.record())
     init = loop.resume(init)
 
     if cfg.compile:  # in place: state-dict keys stay as they are
