@@ -106,6 +106,26 @@ def test_generated_shapes_are_reproducible_coco_with_exact_masks(tmp_path):
     assert (first / "annotations" / "instances_train.json").stat().st_mtime_ns == stamp
 
 
+def test_a_damaged_or_incomplete_shapes_set_is_refused_or_generated_again(tmp_path):
+    """A set is complete once its manifest is written (a kill before it: generated again),
+    and checked against it on every open: a changed or missing image is refused, naming the
+    file and the command that rebuilds the set."""
+    root = ensure_shapes(tmp_path / "shapes", num_train=4, num_val=2, size=64)
+    image = root / "train" / "000002.png"
+    original = image.read_bytes()
+    image.write_bytes(original[:-10] + bytes(10))
+    with pytest.raises(ValueError, match=rf"{image} does not hash to the sha256 manifest.json "
+                                         rf"records .*rm -r {root} \(the next run generates it"):
+        ensure_shapes(root, num_train=4, num_val=2, size=64)
+    image.unlink()
+    with pytest.raises(ValueError, match=rf"{image} holds None bytes, manifest.json records "
+                                         rf"{len(original)}"):
+        ensure_shapes(root, num_train=4, num_val=2, size=64)
+    (root / "manifest.json").unlink()  # as a kill before the manifest leaves the set
+    ensure_shapes(root, num_train=4, num_val=2, size=64)
+    assert image.read_bytes() == original
+
+
 def test_shapes_are_drawn_where_their_masks_say():
     """The rendered pixels inside each mask are the shape's one flat colour."""
     image, instances = render_image(np.random.default_rng(0), 96)

@@ -268,6 +268,26 @@ def test_missing_environment_or_data_names_the_fix(tmp_path, monkeypatch):
         prepare(iwslt, tmp_path / "none")
 
 
+def test_the_synthetic_corpus_is_checked_against_its_manifest(tmp_path):
+    """The generated corpus (here its files, as bpe_binarize.sh leaves them) is opened only
+    if it is what its manifest records; a changed file is refused naming the rebuild."""
+    from plugins.generated import write_manifest
+    synthetic = config("+exp=iwslt14_un", "scale=cpu")
+    data = effective_config(synthetic).data
+    root = tmp_path / "synthetic_mt"
+    root.mkdir()
+    for path in binarised_files(root, data.source_lang, data.target_lang):
+        path.write_bytes(path.name.encode() * 10)
+    write_manifest(root)
+    data.root = str(root)
+    assert prepare(data, tmp_path / "no_env_needed") == root.resolve()
+    damaged = binarised_files(root, data.source_lang, data.target_lang)[3]
+    damaged.write_bytes(damaged.read_bytes()[::-1])
+    with pytest.raises(ValueError, match=rf"{damaged.resolve()} does not hash to the sha256 "
+                                         rf"manifest.json records.*rm -r {root.resolve()}"):
+        prepare(data, tmp_path / "no_env_needed")
+
+
 # ---- with fairseq --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

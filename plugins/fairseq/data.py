@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from plugins.generated import generating
+from plugins.generated import MANIFEST, generating, verify_manifest, write_manifest
 
 from .synthetic import write_corpus
 
@@ -28,19 +28,22 @@ def binarised_files(root: Path, source: str, target: str) -> list[Path]:
 
 
 def prepare(data_cfg, fairseq_env: Path) -> Path:
-    """The binarised data of ``data_cfg``, generated first if it is the synthetic corpus."""
+    """The binarised data of ``data_cfg``. The synthetic corpus is generated on first use
+    (complete once its manifest, written last, is there) and verified against its manifest
+    each time it is opened; IWSLT14 and WMT14 are the user's to prepare."""
     root = Path(data_cfg.root).resolve()
-    source, target = data_cfg.source_lang, data_cfg.target_lang
-    missing = [p for p in binarised_files(root, source, target) if not p.exists()]
-    if not missing:
+    if data_cfg.get("synthetic"):
+        with generating(root):
+            if not (root / MANIFEST).exists():
+                _generate_synthetic(data_cfg, root, fairseq_env)
+        verify_manifest(root, f"rm -r {root} (the next run generates it again)")
         return root
-    if not data_cfg.get("synthetic"):
+    missing = [p for p in binarised_files(root, data_cfg.source_lang, data_cfg.target_lang)
+               if not p.exists()]
+    if missing:
         raise FileNotFoundError(
             f"data {data_cfg.name}: {root} lacks fairseq's binarised data ({missing[0].name} "
             f"and {len(missing) - 1} more); prepare it with: {data_cfg.prepare}")
-    with generating(root):
-        if any(not p.exists() for p in binarised_files(root, source, target)):
-            _generate_synthetic(data_cfg, root, fairseq_env)
     return root
 
 
@@ -53,5 +56,6 @@ def _generate_synthetic(data_cfg, root: Path, fairseq_env: Path) -> None:
                     str(staging), source, target, str(data_cfg.bpe_tokens)],
                    env={**os.environ, "FAIRSEQ_ENV": str(fairseq_env)}, check=True,
                    stdout=subprocess.DEVNULL)
+    write_manifest(staging)
     shutil.rmtree(root, ignore_errors=True)
     os.replace(staging, root)

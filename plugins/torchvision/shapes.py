@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
-from plugins.generated import generating
+from plugins.generated import MANIFEST, generating, verify_manifest, write_manifest
 
 CATEGORIES = [{"id": 1, "name": "circle", "supercategory": "shape"},
               {"id": 2, "name": "square", "supercategory": "shape"},
@@ -113,18 +113,30 @@ def generate_split(root: Path, split: str, count: int, size: int, seed: int) -> 
 
 
 def ensure_shapes(root: Path, num_train: int, num_val: int, size: int, seed: int = 0) -> Path:
-    """Generate the set at ``root`` unless this exact set (sizes, seed, version) is there."""
+    """Generate the set at ``root`` unless this exact set (sizes, seed, version) is there,
+    complete (its manifest written last); a set that is there is verified against its
+    manifest (``verify_manifest``)."""
     wanted = {"train": num_train, "val": num_val}
     with generating(root) as root:
-        for split, count in wanted.items():
-            path = root / "annotations" / f"instances_{split}.json"
-            if path.exists():
-                info = json.loads(path.read_text())
-                if (len(info["images"]) == count and info["info"].get("seed") == seed
-                        and info["info"].get("version") == VERSION and info["images"][0]["width"] == size):
-                    continue
-            generate_split(root, split, count, size, seed)
+        stale = [split for split, count in wanted.items()
+                 if not _generated(root, split, count, size, seed)]
+        if not stale and (root / MANIFEST).exists():
+            verify_manifest(root, f"rm -r {root} (the next run generates it again)")
+            return root
+        for split in stale or wanted:
+            generate_split(root, split, wanted[split], size, seed)
+        write_manifest(root)
     return root
+
+
+def _generated(root: Path, split: str, count: int, size: int, seed: int) -> bool:
+    """Whether the annotations of ``split`` at ``root`` are of this exact set."""
+    path = root / "annotations" / f"instances_{split}.json"
+    if not path.exists():
+        return False
+    info = json.loads(path.read_text())
+    return (len(info["images"]) == count and info["info"].get("seed") == seed
+            and info["info"].get("version") == VERSION and info["images"][0]["width"] == size)
 
 
 def main() -> None:
