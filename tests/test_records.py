@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from omegaconf import OmegaConf
 from timm.scheduler import create_scheduler_v2
 

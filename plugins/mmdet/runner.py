@@ -20,8 +20,9 @@ Conventions shared with the other trainers:
 - ``device`` is honoured (mmengine alone would take any visible GPU); ``amp`` is bf16, or
   fp16 with a loss scaler the norms do not see (``unnorm.GradScaler``), on CUDA, as
   ``plugins.training.amp_context`` decides, and autocast on a CPU is refused (mmengine's
-  is GPU-only); ``recipe.opt`` is timm's optimizer of that name, as in the torchvision backend; ``scale.max_steps_per_epoch`` caps the batches of an
-  epoch; ``logger`` as everywhere (``plugins.logger``).
+  is GPU-only); ``recipe.opt`` is timm's optimizer of that name, as in the torchvision
+  backend; ``scale.max_steps_per_epoch`` caps the batches of an epoch; ``logger`` as
+  everywhere (``plugins.logger``).
 - Checkpoints load with ``weights_only=True`` (``plugins.checkpoints``); mmengine's logged
   values (``HistoryBuffer``s, whose pickle calls ``getattr``) are saved as plain lists and
   rebuilt on resume. ``trust_checkpoint=true`` lifts that for files you trust (an mmengine
