@@ -3,11 +3,14 @@ leave training on the trajectory of the unscaled float32 run.
 
 Two things would otherwise leak. UN, MABN and PN keep gradient statistics (windows, EMAs)
 from the gradient they receive, which carries the loss scale: every change of scale would
-mix units inside a window. And a norm commits its step when its own gradient arrives, before
-the scaler knows whether some other gradient (a head weight's, say) overflowed and the update
-is to be skipped. ``LossScaleGuard`` tells the norms the scale (they keep their statistics in
-unscaled units) and restores every norm's state when an update is skipped. Everything stays
-on the device: no host read, no Python branch on data.
+mix units inside a window. And a norm commits each training call's state (in its forward,
+and its backward's), before the scaler knows whether some other gradient (a head weight's,
+say) overflowed and the update is to be skipped. ``LossScaleGuard`` tells the norms the scale
+(they keep their statistics in unscaled units) and, when an update is skipped, returns every
+norm to its state before the update's first training call (a call without a graph, as
+reentrant checkpointing and frozen layers make, included) and drops the update's records
+from the statistics and GNS taps. Everything stays on the device: no host read, no Python
+branch on data.
 
     scaler = unnorm.GradScaler(model, "cuda")          # torch's GradScaler, norms guarded
     ...
@@ -43,12 +46,9 @@ class LossScaleGuard:
         self.skipped_updates = torch.zeros((), dtype=torch.long, device=device)
         for norm in self.norms:
             norm.loss_scale = self.scale
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def _state(self) -> list[torch.Tensor]:
-        """Every buffer of every norm with running state (read afresh: casts replace them)."""
-        return [buffer for norm in self.norms if isinstance(norm, GuardedNorm)
-                for buffer in norm.buffers(recurse=False)]
+            if isinstance(norm, GuardedNorm):  # each call keeps the update's start (base.py)
+                norm._update_start = (torch.ones((), dtype=torch.bool, device=device),
+                                      {name: b.clone() for name, b in norm._state().items()})
 
     def begin_update(self, scale: Union[float, torch.Tensor]) -> None:
         """``scale``: what the loss is multiplied by in this update (a float, or a 0-dim
@@ -60,15 +60,20 @@ class LossScaleGuard:
             self.scale.copy_(scale.reshape(()))
         else:
             self.scale.fill_(float(scale))
-        self._saved = [(buffer, buffer.clone()) for buffer in self._state()]
 
     def end_update(self, skipped: Union[bool, torch.Tensor]) -> None:
-        """Restore every norm's state as ``begin_update`` found it if the update was skipped."""
+        """If the update was skipped, return every norm to its state before the update's
+        first training call, and take the update's records out of the taps."""
         skipped = torch.as_tensor(skipped, device=self.scale.device).reshape(()).bool()
-        for buffer, before in self._saved:
-            buffer.copy_(torch.where(skipped, before, buffer))
+        for norm in self.norms:
+            for tap in (norm._tap, norm._gns):
+                if tap is not None:
+                    tap.end_update(skipped)
+            if isinstance(norm, GuardedNorm):
+                first_call, start = norm._update_start
+                norm._restore(start, skipped & ~first_call)  # a norm not called keeps its state
+                first_call.fill_(True)
         self.skipped_updates.add_(skipped.long())
-        self._saved = []
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -180,26 +180,33 @@ class OfflineNorm(ChannelNorm):
 
 
 class GuardedNorm(OfflineNorm):
-    """An offline norm whose training steps update running state, guarded against bad batches.
+    """An offline norm whose training calls update running state, guarded against bad batches.
 
-    A training step computes its new state (buffers and counters) as candidates and commits
-    them when the step's gradient reaches the norm, if the step is clean: its batch had a
-    valid row and a finite statistic, and the gradient's statistic is finite. A *rejected*
-    step (an empty or all-padding batch, a NaN batch, an fp16 overflow of its own gradient)
-    leaves every buffer as it was, so the next clean step trains as if it had never come;
-    ``num_rejected`` counts such steps. An update that a GradScaler skips for another
-    layer's overflow is taken back by ``unnorm.GradScaler`` (``unnorm.amp``). A training
-    forward that builds no graph (no_grad, frozen weights) commits at once; a reentrant
-    activation checkpoint's recomputation takes that back, so its step commits once. Every
-    decision is a device-side ``torch.where``: no host read, no Python branch on data.
-
-    Committing in the backward also keeps compiled training exact: a buffer that the forward
-    mutated could be re-read, already changed, where the backward recomputes from it.
+    The calling contract (``docs/core.md``, "What a training call commits"): every training
+    call is one step, as in torch's BatchNorm and the releases. Its forward commits the
+    forward state at once (running statistics, forward windows, step counters), so several
+    calls before one backward (a shared layer, several views) are consecutive steps. Its
+    backward commits the backward state (UN's gradient window and EMA, PN's EMA), once however
+    often the graph is backpropagated. A call is *rejected* when its batch has no valid row or
+    a non-finite statistic (it commits nothing) or when its gradient statistic is non-finite
+    (it is taken back: the norm returns to the state before the call, and calls made since
+    are undone with it); ``num_rejected`` counts both. A training call made inside a backward
+    is an activation checkpoint's recomputation: it replays, from its starting state, the
+    latest call made outside a backward whose backward has not come, and commits nothing again
+    (eager; compiled, the recomputation is the graph's own). An update that a GradScaler skips
+    is taken back whole by ``unnorm.GradScaler``. Every decision on data is a device-side
+    ``torch.where``: no host read, no Python branch on data or on the step.
     """
 
     _migrated = {"num_rejected": 0}  # buffers older checkpoints lack -> their starting value
-    _state_before_graphless_step: Optional[dict] = None
     _LOW_PRECISION = (torch.float16, torch.bfloat16)
+    #: calls kept for a recomputation (eager): enough for a layer shared by this many
+    #: checkpointed segments; older ones, whose backward never came, are forgotten
+    MAX_PENDING_CALLS = 16
+    _pending_calls: Optional[list] = None
+    #: ``(first_call, state)`` while a LossScaleGuard watches this norm: the state before
+    #: the update's first training call is copied into ``state`` while ``first_call`` is set
+    _update_start: Optional[tuple[torch.Tensor, dict]] = None
 
     def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
@@ -209,47 +216,92 @@ class GuardedNorm(OfflineNorm):
         """Casting the module (``.half()``, ``.bfloat16()``, ``.to(dtype)``, as fairseq's
         ``--fp16`` does) leaves the running statistics in float32, as apex's
         ``keep_batchnorm_fp32``: a momentum-0.1 EMA stalls in bf16. The values are kept from
-        before the cast, not rounded through it."""
-        kept = {name: buffer for name, buffer in self._buffers.items()
-                if buffer is not None and buffer.is_floating_point()}
+        before the cast, not rounded through it; integer counters keep their dtype under
+        ``.type()`` too (a float16 step counter cannot count past 2048)."""
+        kept = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
-            if after.dtype in self._LOW_PRECISION:
+            if before.is_floating_point() and after.dtype in self._LOW_PRECISION:
                 self._buffers[name] = before.to(device=after.device, dtype=torch.float32)
+            elif not before.is_floating_point() and after.dtype != before.dtype:
+                self._buffers[name] = before.to(device=after.device)
         return self
 
     def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self._state_before_graphless_step is not None and self.training and torch.is_grad_enabled():
-            self._take_back_graphless_step()
+        if self.training and recomputing():
+            return self._replay(x, pad_mask)
         return super().forward(x, pad_mask)
 
-    def _take_back_graphless_step(self) -> None:
-        """Reentrant activation checkpointing runs a training forward twice: under no_grad,
-        then again inside the backward, building the graph. The first pass committed at once
-        (no backward comes for it); the second must see the state the first saw, and then
-        commits once, in its own backward."""
-        saved, self._state_before_graphless_step = self._state_before_graphless_step, None
-        if torch._C._current_graph_task_id() != -1:  # inside a backward: a recomputation
-            for name, value in saved.items():
-                self._buffers[name].copy_(value)
+    def _state(self) -> dict[str, torch.Tensor]:
+        """Every buffer a training call may change (``num_rejected`` only counts)."""
+        return {name: buffer for name, buffer in self._buffers.items()
+                if buffer is not None and name != "num_rejected"}
 
-    def _commit_without_graph(self, state: dict[str, torch.Tensor], accepted: torch.Tensor) -> None:
-        """Commit a training step that builds no graph (no_grad, frozen weights) at once,
-        remembering the state it replaced while grad mode is off (see above)."""
-        if not torch.is_grad_enabled():
-            self._state_before_graphless_step = {name: buffer.clone()
-                                                 for name, buffer in self._buffers.items()}
-        self._commit_step(state, accepted)
-
-    def _commit_step(self, state: dict[str, torch.Tensor], clean: torch.Tensor) -> None:
-        """Write each candidate ``state`` buffer if the step is clean; count a rejection."""
+    @torch.no_grad()  # statistics that carry a graph (a synced count) must not give it to a buffer
+    def _restore(self, state: dict[str, torch.Tensor], where: Optional[torch.Tensor] = None) -> None:
+        """Write ``state`` into the buffers (where ``where`` holds, if given)."""
         for name, value in state.items():
-            buffer = getattr(self, name)
-            buffer.copy_(torch.where(clean, value.to(buffer.dtype), buffer))
-        self.num_rejected.add_((~clean).long())
+            buffer = self._buffers[name]
+            buffer.copy_(value if where is None else torch.where(where, value, buffer))
+
+    def _replay(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """A recomputation inside a backward: the call it recomputes, from that call's start,
+        recording nothing twice and leaving the state as it found it."""
+        if not self._pending_calls:
+            raise RuntimeError(
+                f"{type(self).__name__}: a training call inside a backward is taken for an "
+                "activation checkpoint's recomputation, but no call awaits one; run extra "
+                "forwards inside a backward in eval mode, or under torch.no_grad()")
+        start, tap = self._pending_calls.pop(), self._tap
+        now = {name: buffer.clone() for name, buffer in self._state().items()}
+        self._restore(start)
+        self._tap = None  # its activation statistics were recorded by the call itself
+        try:
+            return super().forward(x, pad_mask)
+        finally:
+            self._tap = tap
+            self._restore(now)
+
+    def _commit_forward(self, state: dict[str, torch.Tensor], accepted: torch.Tensor) -> dict:
+        """Commit a training call's forward ``state`` if its batch was ``accepted``; count a
+        rejection. Returns the state before the call (for a take-back)."""
+        start = {name: snapshot(buffer) for name, buffer in self._state().items()}
+        if self._update_start is not None:  # what an update the scaler skips returns to
+            first_call, saved = self._update_start
+            for name, value in start.items():
+                saved[name].copy_(torch.where(first_call, value, saved[name]))
+            first_call.fill_(False)
+        if not (torch.compiler.is_compiling() or inside_backward()):
+            self._remember_call(start)
+        self._restore(state, accepted)
+        self.num_rejected.add_((~accepted).long())
+        return start
+
+    def _remember_call(self, start: dict) -> None:
+        calls = self._pending_calls = self._pending_calls or []
+        calls.append(start)
+        del calls[:-self.MAX_PENDING_CALLS]
+
+    def _forget_call(self, call: Optional[int]) -> None:
+        """A call's backward has come (``call_id`` of its start): no recomputation of it will."""
+        if self._pending_calls and call is not None:
+            self._pending_calls[:] = [start for start in self._pending_calls if id(start) != call]
+
+    def _commit_backward(self, state: dict[str, torch.Tensor], accepted: torch.Tensor,
+                         finite: torch.Tensor, start: dict, record: bool = True) -> None:
+        """Commit a call's backward ``state`` if the call is clean; take the call back (to
+        ``start``) if only its gradient statistic is not ``finite``."""
+        clean, taken_back = accepted & finite, accepted & ~finite
+        self._restore(state, clean)
+        self._restore(start, taken_back)
+        self.num_rejected.add_(taken_back.long())
+        if record:
+            self._record_rejected(~clean)
+
+    def _record_rejected(self, rejected: torch.Tensor) -> None:
         if self._recording:
-            self._tap.record_rejected(~clean)
+            self._tap.record_rejected(rejected)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for name, start in self._migrated.items():  # checkpoints from before the buffer existed
@@ -262,19 +314,30 @@ class StepCounted(GuardedNorm):
 
     Every phase decision (warm-up, window filled, compensation active) compares this tensor
     with constants inside ``torch.where``, so a compiled training step is one graph for the
-    whole run and CUDA graphs can capture it. A rejected step does not advance the counter.
+    whole run and CUDA graphs can capture it. A rejected call does not advance the counter.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.register_buffer("num_iters", torch.zeros((), dtype=torch.long, device=device))
 
-    def _commit_step(self, state, clean):
-        super()._commit_step({**state, "num_iters": self.num_iters + 1}, clean)
+    def _commit_forward(self, state, accepted):
+        return super()._commit_forward({**state, "num_iters": self.num_iters + 1}, accepted)
 
     def reset_step(self) -> None:
         """Restart the step counter (fine-tuning from other weights re-runs warm-up)."""
         self.num_iters.zero_()
+
+
+def inside_backward() -> bool:
+    """Whether autograd is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def recomputing() -> bool:
+    """A training forward building a graph inside a backward: activation checkpointing's
+    recomputation (reentrant or not). Compiled graphs recompute inside the graph instead."""
+    return not torch.compiler.is_compiling() and torch.is_grad_enabled() and inside_backward()
 
 
 def statistic_ok(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -287,32 +350,54 @@ def builds_graph(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def first_backward(ctx) -> bool:
+    """Whether this is the first backward through a call's node: a graph backpropagated
+    again (``retain_graph=True``) commits nothing more. Eager only: a compiled graph's
+    backward is traced once and commits on every backward."""
+    if torch.compiler.is_compiling():
+        return True
+    first, ctx.backward_done = not getattr(ctx, "backward_done", False), True
+    return first
+
+
+def call_id(start: dict) -> Optional[int]:
+    """What a call's backward names the call by, to forget it (eager only)."""
+    return None if torch.compiler.is_compiling() else id(start)
+
+
 class _CommitOnBackward(torch.autograd.Function):
-    """Identity in forward; its backward commits the norm's candidate state if the gradient
-    has a finite statistic over the valid rows (for norms whose backward is autograd's)."""
+    """Identity in forward; its backward takes the call back if the gradient's statistic
+    over the valid rows is not finite (for norms whose backward is autograd's)."""
 
     @staticmethod
-    def forward(ctx, out, norm: GuardedNorm, names: tuple[str, ...], valid, accepted, *values):
-        ctx.norm, ctx.names = norm, names
-        ctx.save_for_backward(valid, accepted, *values)
+    def forward(ctx, out, norm: GuardedNorm, valid, accepted, replay: bool, call: Optional[int],
+                names: tuple[str, ...], *start):
+        ctx.norm, ctx.replay, ctx.call, ctx.names = norm, replay, call, names
+        ctx.save_for_backward(valid, accepted, *start)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        valid, accepted, *values = ctx.saved_tensors
-        rows = upcast(grad.reshape(-1, grad.shape[-1]))
-        total = channel_sum(rows if valid is None else zero_padding(rows, valid))
-        ctx.norm._commit_step(dict(zip(ctx.names, values)), accepted & torch.isfinite(total).all())
-        return (grad, None, None, None, None) + (None,) * len(values)
+        valid, accepted, *start = ctx.saved_tensors
+        if first_backward(ctx):
+            rows = upcast(grad.reshape(-1, grad.shape[-1]))
+            total = channel_sum(rows if valid is None else zero_padding(rows, valid))
+            ctx.norm._forget_call(ctx.call)
+            ctx.norm._commit_backward({}, accepted, torch.isfinite(total).all(),
+                                      dict(zip(ctx.names, start)), record=not ctx.replay)
+        return (grad,) + (None,) * (6 + len(start))
 
 
-def commit_on_backward(out: torch.Tensor, norm: GuardedNorm, valid: Optional[torch.Tensor],
+def commit_call(out: torch.Tensor, norm: GuardedNorm, valid: Optional[torch.Tensor],
                        state: dict[str, torch.Tensor], accepted: torch.Tensor) -> torch.Tensor:
-    """``out``, whose backward commits ``state`` (or at once when no backward will come)."""
+    """``out`` of a training call whose forward ``state`` is committed now; its backward takes
+    the call back on a non-finite gradient."""
+    start = norm._commit_forward(state, accepted)
     if not builds_graph(out):
-        norm._commit_without_graph(state, accepted)
+        norm._record_rejected(~accepted)
         return out
-    return _CommitOnBackward.apply(out, norm, tuple(state), valid, accepted, *state.values())
+    return _CommitOnBackward.apply(out, norm, valid, accepted, recomputing(), call_id(start),
+                                   tuple(start), *start.values())
 
 
 def with_slot(window: torch.Tensor, step: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -369,6 +454,15 @@ def _(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
+def snapshot(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A copy of a value a call's backward reads, computed from buffers the call commits in
+    its forward. Compiled, an opaque op: the partitioner would otherwise recompute the value
+    in the backward from the buffers, already committed (UN's and MABN's r, PRepBN's share)."""
+    if tensor is None:
+        return None
+    return _materialize(tensor) if torch.compiler.is_compiling() else tensor.clone()
+
+
 def per_channel(coefficient: torch.Tensor) -> torch.Tensor:
     """A per-channel coefficient of an ``(N, C)`` pass, computed once. Compiled, inductor
     would otherwise inline its whole chain (window means, ``where``s, ``rsqrt``s) into the
@@ -385,6 +479,8 @@ def channel_sum(rows: torch.Tensor) -> torch.Tensor:
     each block while it is in cache (a plain column sum strides through memory once per
     channel group and ran 2.3x slower on CPU); eager, it costs the same as ``sum(dim=0)``."""
     whole = rows.shape[0] // ROW_BLOCK * ROW_BLOCK
+    if whole == 0:  # no whole block: inductor fails to lower the empty blocked sum (48 rows)
+        return rows.sum(dim=0)
     blocked = rows[:whole].reshape(-1, ROW_BLOCK, rows.shape[1]).sum(dim=1).sum(dim=0)
     return blocked + rows[whole:].sum(dim=0)
 

@@ -9,8 +9,8 @@ the gradient statistic ``mean(g * z)``,
 Each norm decides the per-step quantities and its new forward state in ``_plan_step`` and
 ``psi`` and its new backward state in ``_gradient_estimate``. The step count and every choice
 that depends on it or on the data stay on the device (``torch.where``), so one compiled graph
-serves every step. Both states are committed together when the gradient arrives, if the
-step is clean (see ``GuardedNorm``); a rejected batch is normalised by the inference
+serves every step. The forward state is committed by the training call, the backward state
+by its backward (see ``GuardedNorm``); a rejected batch is normalised by the inference
 statistic.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from .base import (StepCounted, builds_graph, channel_sum, channel_sum_sq, check_momentum,
-                   per_channel, replicas_active, statistic_ok, sum_over_replicas, unscaled, upcast,
-                   zero_padding)
+from .base import (StepCounted, builds_graph, call_id, channel_sum, channel_sum_sq,
+                   check_momentum, first_backward, snapshot, per_channel, recomputing, replicas_active,
+                   statistic_ok, sum_over_replicas, unscaled, upcast, zero_padding)
 
 
 @dataclass
@@ -48,6 +48,10 @@ class StepPlan:
 
     def where_skipped(self, if_skipped: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
         return otherwise if self.skip is None else torch.where(self.skip, if_skipped, otherwise)
+
+
+#: the plan's tensors the backward reads
+SAVED_PLAN = ("step", "inv_std", "inv_std_bwd", "r", "skip")
 
 
 class EstimatedNorm(StepCounted):
@@ -79,9 +83,11 @@ class EstimatedNorm(StepCounted):
             scale, shift = self._running_affine()
             return torch.addcmul(shift, upcast(rows), scale)
         if builds_graph(rows, self.weight, self.bias):
-            return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid)
+            return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid,
+                                                recomputing())
         out, plan, accepted, _ = _forward_step(self, rows, self.weight, self.bias, valid)
-        self._commit_without_graph(plan.state, accepted)  # no backward will come
+        self._commit_forward(plan.state, accepted)
+        self._record_rejected(~accepted)  # no backward will come
         return out
 
     def _plan_step(self, second_moment: torch.Tensor, step: torch.Tensor) -> StepPlan:
@@ -126,22 +132,30 @@ class _EstimatedNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, norm: EstimatedNorm, valid):
+    def forward(ctx, rows, weight, bias, norm: EstimatedNorm, valid, replay: bool):
         out, plan, accepted, total = _forward_step(norm, rows, weight, bias, valid)
-        ctx.norm, ctx.plan, ctx.total = norm, plan, total
+        ctx.replay = replay  # a recomputation: its call recorded its rejection
+        start = norm._commit_forward(plan.state, accepted)
+        ctx.norm, ctx.loss_scale = norm, plan.loss_scale
+        ctx.names, ctx.call = tuple(start), call_id(start)
         ctx.gns = norm._gns  # a GNS tap and this step's examples while recording
         ctx.examples = None if norm._gns is None else norm._gns.current
-        ctx.save_for_backward(rows, valid, weight, accepted)
+        ctx.save_for_backward(rows, valid, weight, accepted, total,
+                              *(snapshot(getattr(plan, name)) for name in SAVED_PLAN),
+                              *start.values())
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        rows, valid, weight, accepted = ctx.saved_tensors
-        norm, plan = ctx.norm, ctx.plan
+        rows, valid, weight, accepted, total, *rest = ctx.saved_tensors
+        saved, start = rest[:len(SAVED_PLAN)], rest[len(SAVED_PLAN):]
+        norm = ctx.norm
+        plan = StepPlan(**dict(zip(SAVED_PLAN, saved)), loss_scale=ctx.loss_scale)
+        first = first_backward(ctx)
         x, dy = upcast(rows), upcast(dy)
         inv_std = plan.inv_std
         r = torch.ones_like(inv_std) if plan.r is None else plan.r
-        if ctx.gns is not None:  # per-row gradients: weight dy * z * r, bias dy
+        if ctx.gns is not None and first:  # per-row gradients: weight dy * z * r, bias dy
             factors = (x * (inv_std * r), None)
             ctx.gns.record(dy, ctx.examples, [factor for factor, trained in
                                               zip(factors, ctx.needs_input_grad[1:3]) if trained],
@@ -151,7 +165,7 @@ class _EstimatedNormFunction(torch.autograd.Function):
         over_valid = valid is not None and norm.grad_stat_over_valid
         stat_dy_z = channel_sum(zero_padding(dy_x, valid)) * inv_std if over_valid else sum_dy_z
         positions = torch.ones(1, device=x.device).mul_(x.shape[0])
-        sum_sq = ctx.total  # of the valid rows (every replica's with sync_stats)
+        sum_sq = total  # of the valid rows (every replica's with sync_stats)
         synced = replicas_active(norm.sync_stats)
         if synced:
             stat_dy_z, positions = sum_over_replicas(stat_dy_z, positions)
@@ -162,22 +176,38 @@ class _EstimatedNormFunction(torch.autograd.Function):
         # mean(g * z), g = dy w r, in the unscaled loss's units: windows and EMAs never mix
         # loss scales, and a GradScaler's growth or back-off leaves psi as it was
         grad_stat = unscaled(stat_dy_z * (upcast(weight) * r) / positions, plan.loss_scale)
-        if norm._tap is not None:
-            norm._tap.record_grad(grad_stat)
-        psi, state = norm._gradient_estimate(grad_stat, plan)
-        clean = accepted & torch.isfinite(grad_stat).all()
-        if norm.tracks_corrected_gradient:
-            mean_z_sq = sum_sq * inv_std.square() / positions
-            state = {**state, **norm._corrected_gradient_state(grad_stat, psi, mean_z_sq)}
-            clean = clean & torch.isfinite(mean_z_sq).all()
-        norm._commit_step({**plan.state, **state}, clean)
+        if first:
+            psi = _estimate_and_commit(ctx, plan, grad_stat, sum_sq, inv_std, positions, accepted,
+                                       dict(zip(ctx.names, start)))
+            if not torch.compiler.is_compiling():
+                ctx.estimate = psi  # what a second backward of this graph uses
+        else:
+            psi = ctx.estimate
         if plan.loss_scale is not None:
             psi = psi * plan.loss_scale  # back in the units of this step's (scaled) g
         # dx = (g - z * psi) * inv_std_bwd
         dx = (dy * per_channel(upcast(weight) * r * plan.inv_std_bwd)
               - x * per_channel(inv_std * psi * plan.inv_std_bwd))
         return (dx.to(rows.dtype), (sum_dy_z * r).to(weight.dtype),
-                channel_sum(dy).to(weight.dtype), None, None)
+                channel_sum(dy).to(weight.dtype), None, None, None)
+
+
+def _estimate_and_commit(ctx, plan: StepPlan, grad_stat, sum_sq, inv_std, positions, accepted,
+                         start) -> torch.Tensor:
+    """psi from this call's q_t, and the call's backward state committed (first backward
+    only: a graph backpropagated again reuses this psi)."""
+    norm = ctx.norm
+    if norm._tap is not None:
+        norm._tap.record_grad(grad_stat)
+    psi, state = norm._gradient_estimate(grad_stat, plan)
+    finite = torch.isfinite(grad_stat).all()
+    if norm.tracks_corrected_gradient:
+        mean_z_sq = sum_sq * inv_std.square() / positions
+        state = {**state, **norm._corrected_gradient_state(grad_stat, psi, mean_z_sq)}
+        finite = finite & torch.isfinite(mean_z_sq).all()
+    norm._forget_call(ctx.call)
+    norm._commit_backward(state, accepted, finite, start, record=not ctx.replay)
+    return psi
 
 
 def compensation_factor(v: torch.Tensor, running_var: torch.Tensor, eps: float) -> torch.Tensor:

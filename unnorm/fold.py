@@ -109,16 +109,14 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
 
     ``consumers`` maps a norm's module name to the names of the linear layers reading its
     output; an empty list turns an offline norm into a ``ChannelAffine`` and leaves a DyT
-    as it is. A linear layer may be folded into once only. Returns the number of norms
-    replaced.
+    as it is. A linear layer may be folded into once only: one reached twice (a name listed
+    twice, one module under two names, a weight tied to another module's, as a language
+    model's head to its embedding) is refused by name before anything changes. Returns the
+    number of norms replaced.
     """
-    seen: set[str] = set()
+    check_folded_once(model, consumers)
     replaced = 0
     for norm_name, linear_names in consumers.items():
-        shared = seen.intersection(linear_names)
-        if shared:
-            raise ValueError(f"{sorted(shared)} would be folded twice ({norm_name} too)")
-        seen.update(linear_names)
         norm = model.get_submodule(norm_name)
         if linear_names:
             folded = fold_into_linear(norm, [model.get_submodule(n) for n in linear_names])
@@ -129,6 +127,28 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
         replace_module(model, norm_name, folded)
         replaced += 1
     return replaced
+
+
+def check_folded_once(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> None:
+    """Refuse a plan that would fold into one linear layer twice, or into a weight that
+    another module shares: folding scales the weight in place, so the second fold (or the
+    other module) would read an already folded one."""
+    owners: dict[int, str] = {}  # id of a folded weight -> the first name that reached it
+    for norm_name, linear_names in consumers.items():
+        for linear_name in linear_names:
+            weight = model.get_submodule(linear_name).weight
+            if id(weight) in owners:
+                raise ValueError(f"{linear_name} (a consumer of {norm_name}) is the layer "
+                                 f"{owners[id(weight)]} already folded into: a linear layer "
+                                 "takes one fold; list each consumer once, under one name")
+            owners[id(weight)] = linear_name
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            folded = owners.get(id(param))
+            if folded is not None and model.get_submodule(folded) is not module:
+                raise ValueError(f"{folded}'s weight is tied to {name}.{param_name}: folding "
+                                 f"would change {name} too. Untie it first (give {folded} its "
+                                 "own copy of the weight) or leave that norm unfolded")
 
 
 def check_fold_plan(model: nn.Module, plan: Mapping[str, Sequence[str]]) -> Mapping[str, Sequence[str]]:

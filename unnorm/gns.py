@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import ChannelNorm, upcast, zero_padding
-from .stats import Recorder
+from .stats import PendingRecords, Recorder
 
 
 class Examples:
@@ -71,15 +71,15 @@ class Examples:
 REDUCTIONS = ("mean", "sum")
 
 
-class GNSTap:
+class GNSTap(PendingRecords):
     """The pending per-step GNS records of one norm layer."""
 
+    fields = ("example_sq", "batch_sq", "examples")
+
     def __init__(self, example_dim: int, loss_multiplier: float, reduction: str = "mean"):
+        super().__init__()
         self.example_dim, self.loss_multiplier, self.reduction = example_dim, loss_multiplier, reduction
         self.current: Optional[Examples] = None  # the layout of the latest training forward
-        self.example_sq: list[torch.Tensor] = []
-        self.batch_sq: list[torch.Tensor] = []
-        self.examples: list[torch.Tensor] = []
 
     def begin(self, shape: torch.Size, valid: Optional[torch.Tensor]) -> None:
         """A training forward on input of leading shape ``shape`` starts."""
@@ -110,18 +110,13 @@ class GNSTap:
         """The steps recorded since the last ``take``."""
         return len(self.batch_sq)
 
-    def drop(self, keep: int) -> None:
-        """Forget the pending steps after the first ``keep``."""
-        del self.example_sq[keep:], self.batch_sq[keep:], self.examples[keep:]
-
     def take(self) -> dict[str, torch.Tensor]:
-        if not self.batch_sq:
+        records = self._taken()
+        if not records["batch_sq"]:
             return {}
-        chunk = {"example_sq": cat_padded([value[None] for value in self.example_sq]).cpu(),
-                 "batch_sq": torch.stack(self.batch_sq).cpu(),
-                 "examples": torch.stack(self.examples).cpu()}
-        self.example_sq, self.batch_sq, self.examples = [], [], []
-        return chunk
+        return {"example_sq": cat_padded([value[None] for value in records["example_sq"]]).cpu(),
+                "batch_sq": torch.stack(records["batch_sq"]).cpu(),
+                "examples": torch.stack(records["examples"]).cpu()}
 
 
 def cat_padded(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -182,7 +177,7 @@ class GNSRecorder(Recorder):
     def drop_since(self, mark: dict[str, int]) -> None:
         """Forget the steps recorded since ``mark()`` (the micro-batches of a skipped update)."""
         for name, module in self.layers.items():
-            module._gns.drop(mark[name])
+            module._gns.drop(dict.fromkeys(GNSTap.fields, mark[name]))
 
 
 def record_gns(model: nn.Module, example_dim: Optional[int] = None,

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (StepCounted, check_momentum, commit_on_backward, replicas_active, statistic_ok,
-                   upcast)
+from .base import (StepCounted, check_momentum, commit_call, replicas_active, snapshot,
+                   statistic_ok, upcast)
 from .estimated import step_count
 from .simple import CausalStatistics, batch_standardize, running_statistics
 
@@ -89,7 +89,7 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         if not self.training:
             scale, shift = self.inference_affine()
             return torch.addcmul(shift, rows, scale)
-        step = self.num_iters + 1
+        step = snapshot(self.num_iters + 1)  # the backward's share is this call's
         start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
@@ -109,7 +109,7 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         bn_on = step > self.warmup_iters
         state = {name: torch.where(bn_on, value, getattr(self, name))
                  for name, value in running_statistics(self, mean, var, count).items()}
-        return commit_on_backward(out, self, valid, state, statistic_ok(var, count))
+        return commit_call(out, self, valid, state, statistic_ok(var, count))
 
     def _start(self, rows: torch.Tensor, affine: bool = True) -> torch.Tensor:
         """The norm training starts from, on float32 rows, with its affine (``affine=False``:

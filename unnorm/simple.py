@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_on_backward,
+from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_call,
                    replicas_active, row_count, statistic_ok, sum_over_replicas, upcast,
                    zero_padding)
 
@@ -119,7 +119,7 @@ class BatchNorm(CausalStatistics, GuardedNorm):
         state = running_statistics(self, mean, var, count)
         if self._recording:
             self._tap.record_act(var)
-        return commit_on_backward(self._affine(z, valid), self, valid, state,
+        return commit_call(self._affine(z, valid), self, valid, state,
                                   statistic_ok(var, count))
 
     def inference_affine(self):

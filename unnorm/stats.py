@@ -3,9 +3,12 @@
 While recording, each norm appends, per training step, its activation statistic (the
 per-channel second moment it computed: s_t for UN/MABN/PN, the batch variance for BN, mean
 x^2 for per-position norms), its gradient statistic (per-channel mean of g * z), for UN,
-MABN and PN the outlier-skip flag, and for norms with running state whether the step's
-batch was rejected (no valid row or a non-finite statistic: the state was left as it was). They stay on the device until ``flush()`` hands them
-over as CPU tensors, so recording adds no host synchronisation between flushes.
+MABN and PN the outlier-skip flag, and for norms with running state whether the step was
+rejected (no valid row, a non-finite statistic or gradient statistic: the state was left as
+it was). A step is recorded once, also under activation checkpointing; the steps of an
+update that ``unnorm.GradScaler`` skipped are dropped, as their state was. They stay on
+the device until ``flush()`` hands them over as CPU tensors, so recording adds no host
+synchronisation between flushes.
 """
 from __future__ import annotations
 
@@ -17,14 +20,49 @@ from torch import nn
 from .base import ChannelNorm
 
 
-class LayerTap:
-    """The pending per-step statistics of one norm layer."""
+class PendingRecords:
+    """Per-step record lists (``fields``) of one layer, from which the records of an update
+    that a GradScaler skipped are taken out (``unnorm.LossScaleGuard`` calls ``end_update``).
+    The skip is a device flag; it is read when the records are taken, once per flush."""
+
+    fields: tuple[str, ...] = ()
 
     def __init__(self):
-        self.act: list[torch.Tensor] = []
-        self.grad: list[torch.Tensor] = []
-        self.skip: list[torch.Tensor] = []
-        self.rejected: list[torch.Tensor] = []
+        for field in self.fields:
+            setattr(self, field, [])
+        self._updates: list[tuple[dict[str, int], torch.Tensor]] = []  # (ends, skipped)
+
+    def end_update(self, skipped: torch.Tensor) -> None:
+        """The records since the previous update's end are this update's."""
+        self._updates.append(({field: len(getattr(self, field)) for field in self.fields},
+                              skipped.detach().clone()))
+
+    def drop(self, keep: dict[str, int]) -> None:
+        """Forget each field's pending records after the first ``keep[field]``."""
+        for field in self.fields:
+            del getattr(self, field)[keep[field]:]
+        self._updates = [({field: min(end, keep[field]) for field, end in ends.items()}, skipped)
+                         for ends, skipped in self._updates]
+
+    def _taken(self) -> dict[str, list[torch.Tensor]]:
+        """Every field's records without the skipped updates', emptying the lists."""
+        skipped = torch.stack([flag for _, flag in self._updates]).tolist() if self._updates else []
+        taken = {}
+        for field in self.fields:
+            values, kept, begin = getattr(self, field), [], 0
+            for (ends, _), skip in zip(self._updates, skipped):
+                kept += [] if skip else values[begin:ends[field]]
+                begin = ends[field]
+            taken[field] = kept + values[begin:]
+            setattr(self, field, [])
+        self._updates = []
+        return taken
+
+
+class LayerTap(PendingRecords):
+    """The pending per-step statistics of one norm layer."""
+
+    fields = ("act", "grad", "skip", "rejected")
 
     def record_act(self, value: torch.Tensor) -> None:
         self.act.append(value.detach().float().clone())
@@ -39,12 +77,7 @@ class LayerTap:
         self.rejected.append(value.detach().clone())
 
     def take(self) -> dict[str, torch.Tensor]:
-        chunk = {key: torch.stack(values).cpu()
-                 for key, values in (("act", self.act), ("grad", self.grad), ("skip", self.skip),
-                                     ("rejected", self.rejected))
-                 if values}
-        self.act, self.grad, self.skip, self.rejected = [], [], [], []
-        return chunk
+        return {key: torch.stack(values).cpu() for key, values in self._taken().items() if values}
 
 
 class Recorder:

@@ -114,7 +114,8 @@ class UnifiedNorm(EstimatedNorm):
         decides). Returns ``(v, psi)``. ``analysis.estimates`` replays runs with it."""
         plan = self._plan_step(second_moment, self.num_iters + 1, skipped)
         psi, state = self._gradient_estimate(grad_stat, plan)
-        self._commit_step({**plan.state, **state}, clean)
+        start = self._commit_forward(plan.state, clean)
+        self._commit_backward(state, clean, torch.ones_like(clean), start, record=False)
         return plan.statistic, psi
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
