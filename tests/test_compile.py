@@ -91,3 +91,24 @@ def test_a_un_training_step_is_captured_by_cuda_graphs():
         for a, b in zip(_step(reference, x), _step(run, x)):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     assert counters["inductor"]["cudagraph_skips"] == 0  # captured, not skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["un", "mabn", "pn", "bn"])
+def test_inductor_compiles_every_row_count(name):
+    """Inductor failed to lower the blocked channel sum when no whole block of rows exists
+    (40-63 rows: ``LoweringException: IndexError: pop from empty list``); every count up to
+    and past a block compiles and matches eager."""
+    for rows in (48, 63, 100):
+        eager = unnorm.build_norm(name, 16, **OPTIONS[name])
+        compiled = unnorm.build_norm(name, 16, **OPTIONS[name])
+        run = torch.compile(compiled, backend="inductor", fullgraph=True)
+        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(rows))
+        results = []
+        for norm in (eager, run):
+            leaf = x.clone().requires_grad_(True)
+            out = norm(leaf)
+            out.square().sum().backward()
+            results.append((out.detach(), leaf.grad))
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=f"{rows} rows")
