@@ -80,15 +80,28 @@ def run_folder_lock(path: Path, enabled: bool = True) -> Iterator[None]:
     An exclusive ``fcntl.flock``, not a file whose existence is the lock: the kernel drops it
     when the holder exits in any way (SIGKILL and OOM kills included), so a lock left by a
     dead run never blocks, and no stale-lock guessing from pids is needed. The file keeps the
-    holder's host, pid and start for the refusal; it is never deleted (deleting a flock'd file
-    lets two runs lock two different files). ``enabled=False`` (a replica that does not
-    write) holds nothing.
+    holder's host, pid and start for the refusal. It is deleted only with a folder the run
+    made and left empty (a run refused by its settings), and while still locked: a lock file
+    deleted under another run would let two runs lock two different files. ``enabled=False``
+    (a replica that does not write) holds nothing.
     """
     if not enabled:
         yield
         return
     path = Path(path)
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        try:
+            yield
+        finally:  # a run refused before it wrote anything leaves no folder (still locked here)
+            if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
+                (path / LOCK_FILE).unlink()
+                path.rmdir()
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
     with open(path / LOCK_FILE, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
