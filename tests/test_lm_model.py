@@ -343,3 +343,32 @@ def test_prepbn_can_start_from_rmsnorm():
     torch.testing.assert_close(norm(x), expected)  # step 1: the hand-over has not begun
     with pytest.raises(ValueError, match="start_norm"):
         unnorm.build_norm("prepbn", 8, start_norm="bn")
+
+
+def test_causal_bn_evaluates_every_position_as_it_trains():
+    """Causal BN keeps running statistics per position: after training, eval-mode and
+    training-mode validation losses agree at every position (one whole-batch estimate
+    standardised the early positions by the wrong statistics)."""
+    torch.manual_seed(0)
+    model = build_lm(TINY, {"name": "bn", "causal": True}, initializer_range=0.1)
+    assert model.model.layers[0].input_layernorm.running_var.shape == (TINY["context"], 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def per_position_loss(net, ids):
+        logits = net(ids).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+            reduction="none").reshape(ids.shape[0], -1).mean(dim=0)
+
+    for _ in range(40):
+        loss = per_position_loss(model.train(), torch.randint(
+            0, TINY["vocab_size"], (16, TINY["context"]), generator=gen)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ids = torch.randint(0, TINY["vocab_size"], (64, TINY["context"]), generator=gen)
+    with torch.no_grad():
+        training_mode = per_position_loss(copy.deepcopy(model).train(), ids)
+        eval_mode = per_position_loss(model.eval(), ids)
+    torch.testing.assert_close(eval_mode, training_mode, rtol=0.02, atol=0)

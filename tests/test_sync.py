@@ -21,7 +21,8 @@ NORMS = {"un": {"warmup_iters": 4, "outlier_filtration": True, "window_size": 2}
          "mabn": {"warmup_iters": 4, "window_size": 2}, "pn": {"warmup_iters": 4},
          "pn_ls": {"warmup_iters": 4, "group_num": 5}, "bn": {},
          "prepbn": {"warmup_iters": 2, "decay_iters": 4},
-         "bn-causal": {"causal": True}, "prepbn-causal": {"decay_iters": 2, "causal": True}}
+         "bn-causal": {"causal": True, "positions": 3},
+         "prepbn-causal": {"decay_iters": 2, "causal": True, "positions": 3}}
 STEPS, C = 8, 5
 
 

@@ -16,15 +16,16 @@ derive (``decay_end: 0.8``; see ``plugins/training.py``).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import (StepCounted, check_momentum, commit_call, replicas_active, snapshot,
-                   statistic_ok, upcast)
+                   upcast)
 from .estimated import step_count
-from .simple import CausalStatistics, batch_standardize, running_statistics
+from .simple import CausalStatistics, batch_standardize
 
 
 class ProgressiveRepBN(CausalStatistics, StepCounted):
@@ -41,7 +42,7 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
     def __init__(self, num_features: int, warmup_iters: int = 0, decay_iters: int = 300000,
                  r0: float = 1.0, momentum: float = 0.9, eps: float = 1e-5,
                  sync_stats: bool = False, start_norm: str = "ln", bias: bool = True,
-                 causal: bool = False, device=None, dtype=None):
+                 causal: bool = False, positions: Optional[int] = None, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         if not bias:
             self.register_parameter("bias", None)
@@ -60,17 +61,19 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         self.warmup_iters = step_count("warmup_iters", warmup_iters)
         self.decay_iters = step_count("decay_iters", decay_iters)
         self.r0, self.sync_stats, self.causal = float(r0), bool(sync_stats), bool(causal)
+        self.offline = self.offline_for(causal=self.causal)
+        shape = self._running_shape(num_features, self.causal, positions)
         factory = {"device": device, "dtype": dtype}
         self.bn_weight = nn.Parameter(torch.ones(num_features, **factory))
         self.bn_bias = nn.Parameter(torch.zeros(num_features, **factory))
         self.alpha = nn.Parameter(torch.ones(1, **factory))
-        self.register_buffer("running_mean", torch.zeros(num_features, device=device))
-        self.register_buffer("running_var", torch.ones(num_features, device=device))
+        self.register_buffer("running_mean", torch.zeros(shape, device=device))
+        self.register_buffer("running_var", torch.ones(shape, device=device))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, start={self.start_norm}, warmup={self.warmup_iters}, "
                 f"decay={self.decay_iters}, r0={self.r0}, momentum={self.momentum}"
-                + (", causal" if self.causal else ""))
+                + (f", causal, positions={self.running_mean.shape[0]}" if self.causal else ""))
 
     def layer_norm_share(self, step: torch.Tensor) -> torch.Tensor:
         """lam at training step ``step`` (1 during warm-up, then r0 * k / decay_iters)."""
@@ -78,24 +81,30 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         decaying = self.r0 * k.float() / max(self.decay_iters, 1)
         return torch.where(step <= self.warmup_iters, torch.ones_like(decaying), decaying)
 
-    def inference_affine(self):
+    def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_std = torch.rsqrt(self.running_var + self.eps)
         scale = upcast(self.bn_weight) * inv_std
         return (scale + upcast(self.alpha),
                 upcast(self.bn_bias) - scale * self.running_mean)
 
+    def inference_affine(self):
+        if self.causal:
+            raise RuntimeError("causal PRepBN normalises each position by its own running "
+                               "statistics: there is no single per-channel affine to fold; "
+                               "build it without causal to fold")
+        return self._running_affine()
+
     def _normalize(self, rows, valid):
         rows = upcast(rows)
         if not self.training:
-            scale, shift = self.inference_affine()
-            return torch.addcmul(shift, rows, scale)
+            return self._inference(rows, *self._running_affine())
         step = snapshot(self.num_iters + 1)  # the backward's share is this call's
         start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
                                                 self._positions)
         if self._recording:
-            self._tap.record_act(var)
+            self._tap.record_act(self._whole_batch(var))
         z_value, plain = z.detach(), rows.detach()
         z = self._watch_grad(z, valid)
         rep_bn = torch.addcmul(upcast(self.bn_bias), z, upcast(self.bn_weight)) + upcast(self.alpha) * rows
@@ -108,8 +117,8 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
             "bn_weight": (1 - share) * z_value, "bn_bias": 1 - share})
         bn_on = step > self.warmup_iters
         state = {name: torch.where(bn_on, value, getattr(self, name))
-                 for name, value in running_statistics(self, mean, var, count).items()}
-        return commit_call(out, self, valid, state, statistic_ok(var, count))
+                 for name, value in self._running_state(mean, var, count).items()}
+        return commit_call(out, self, valid, state, self._batch_ok(var, count))
 
     def _start(self, rows: torch.Tensor, affine: bool = True) -> torch.Tensor:
         """The norm training starts from, on float32 rows, with its affine (``affine=False``:

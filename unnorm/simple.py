@@ -67,14 +67,36 @@ class CausalStatistics:
     Pooled over every position, training-mode statistics let the output at position t depend
     on later tokens (``plugins.lm.leak`` measures it). With ``causal=True`` the input must be
     batch-first sequences ``(B, T, C)``, and position t is standardised by the mean and
-    variance of every sequence's positions ``<= t``: nothing later reaches it. What it
-    changes: early positions are standardised by few rows (position 0 by B), so training
-    sees noisier statistics there than evaluation's running ones, which still follow the
-    whole batch's statistics as without the option.
+    variance of every sequence's positions ``<= t``: nothing later reaches it.
+
+    Evaluation matches training position by position: the running statistics are kept per
+    position, ``(positions, C)``, each an EMA of the prefix statistics its position is trained
+    with (a language model's early positions differ: one whole-batch estimate standardised
+    position 0 by the wrong statistics, a bias, not noise). What it costs: ``positions`` (the
+    longest sequence, a model's context length) x C floats per buffer, and inference is an
+    affine per position, which does not fold into a linear layer (``offline`` is False).
     """
 
     causal: bool = False
     _positions: Optional[int] = None  # T of the input being normalised when causal, else None
+
+    def _running_shape(self, num_features: int, causal: bool, positions: Optional[int]) -> tuple:
+        """The running statistics' shape: ``(C,)``, or ``(positions, C)`` when causal."""
+        if not causal:
+            if positions is not None:
+                raise ValueError("positions sizes the per-position running statistics of "
+                                 "causal=True; drop it, or set causal=True")
+            return (num_features,)
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            raise ValueError(f"causal=True keeps running statistics per position: positions "
+                             f"must be the longest sequence length (a model's context), got "
+                             f"{positions!r} (the LM trainer sets it from model.context)")
+        return (positions, num_features)
+
+    @classmethod
+    def offline_for(cls, *, causal: bool = False, **options) -> bool:
+        """Causal: an affine per position, not one per channel (no fold)."""
+        return not causal
 
     def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._positions = None
@@ -83,8 +105,53 @@ class CausalStatistics:
                 raise ValueError(f"{type(self).__name__}(causal=True) needs batch-first sequences "
                                  f"(B, T, C), got shape {tuple(x.shape)}; transpose time-first "
                                  "input (x.transpose(0, 1)) or drop causal for non-sequence input")
+            if x.shape[1] > self.running_mean.shape[0]:
+                raise ValueError(f"{type(self).__name__}(causal=True) keeps statistics for "
+                                 f"{self.running_mean.shape[0]} positions, got sequences of "
+                                 f"{x.shape[1]}: build it with positions={x.shape[1]} or more")
             self._positions = x.shape[1]
         return super().forward(x, pad_mask)
+
+    def _running_state(self, mean, var, count) -> dict[str, torch.Tensor]:
+        """The candidate running statistics after a batch's ``(mean, var, count)``: per
+        position ``(T, C)`` when causal (positions with no valid row yet keep theirs)."""
+        if self._positions is None:
+            return running_statistics(self.momentum, self.running_mean, self.running_var,
+                                      mean, var, count)
+        length = self._positions
+        old = {"running_mean": self.running_mean, "running_var": self.running_var}
+        new = running_statistics(self.momentum, old["running_mean"][:length],
+                                 old["running_var"][:length], mean, var, count)
+        return {name: torch.cat([torch.where(count > 0, value, old[name][:length]),
+                                 old[name][length:]]) for name, value in new.items()}
+
+    def _batch_ok(self, var: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The batch has a valid row and finite statistics where it has rows."""
+        if self._positions is None:
+            return statistic_ok(var, count)
+        return statistic_ok(torch.where(count > 0, var, torch.zeros_like(var)), count[-1])
+
+    def _whole_batch(self, var: torch.Tensor) -> torch.Tensor:
+        """The statistics tap's per-channel value: the whole batch's (the last prefix's)."""
+        return var if self._positions is None else var[-1]
+
+    def _inference(self, rows: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """``rows * scale + shift``, per position when causal."""
+        if self._positions is None:
+            return torch.addcmul(shift, rows, scale)
+        length = self._positions
+        seqs = rows.reshape(-1, length, rows.shape[-1])
+        return torch.addcmul(shift[:length], seqs, scale[:length]).reshape(rows.shape)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        stored = state_dict.get(prefix + "running_mean")
+        if stored is not None and stored.dim() != self.running_mean.dim():
+            raise ValueError(f"{prefix or 'the norm'}: the state dict's running statistics are "
+                             f"{tuple(stored.shape)}, this layer's {tuple(self.running_mean.shape)}: "
+                             "causal=True keeps them per position (positions x C) since it "
+                             "matched evaluation to training; build the layer as it was saved "
+                             "(causal, positions) to load it")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class BatchNorm(CausalStatistics, GuardedNorm):
@@ -93,49 +160,59 @@ class BatchNorm(CausalStatistics, GuardedNorm):
     ``momentum`` is the paper's alpha: ``running = alpha * running + (1 - alpha) * batch``
     (torch's BatchNorm momentum is ``1 - alpha``). Running variance is unbiased, as in torch.
     A rejected batch (see ``GuardedNorm``) leaves the running statistics as they were.
-    ``causal``: statistics over positions ``<= t`` only (``CausalStatistics``).
+    ``causal``: statistics over positions ``<= t`` only, kept per position for evaluation
+    (``CausalStatistics``; ``positions``: the longest sequence).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
-                 sync_stats: bool = False, causal: bool = False, device=None, dtype=None):
+                 sync_stats: bool = False, causal: bool = False, positions: Optional[int] = None,
+                 device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.momentum = check_momentum("momentum", momentum)
         self.sync_stats = bool(sync_stats)  # statistics over all data-parallel replicas
         self.causal = bool(causal)
-        self.register_buffer("running_mean", torch.zeros(num_features, device=device))
-        self.register_buffer("running_var", torch.ones(num_features, device=device))
+        self.offline = self.offline_for(causal=self.causal)
+        shape = self._running_shape(num_features, self.causal, positions)
+        self.register_buffer("running_mean", torch.zeros(shape, device=device))
+        self.register_buffer("running_var", torch.ones(shape, device=device))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, momentum={self.momentum}" + (", causal" if self.causal else "")
+        causal = f", causal, positions={self.running_mean.shape[0]}" if self.causal else ""
+        return f"{super().extra_repr()}, momentum={self.momentum}" + causal
 
     def _normalize(self, rows, valid):
         rows = upcast(rows)
         if not self.training:
-            scale, shift = self.inference_affine()
-            return torch.addcmul(shift, rows, scale)
+            return self._inference(rows, *self._running_affine())
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
                                                 self._positions)
-        state = running_statistics(self, mean, var, count)
+        state = self._running_state(mean, var, count)
         if self._recording:
-            self._tap.record_act(var)
-        return commit_call(self._affine(z, valid), self, valid, state,
-                                  statistic_ok(var, count))
+            self._tap.record_act(self._whole_batch(var))
+        return commit_call(self._affine(z, valid), self, valid, state, self._batch_ok(var, count))
 
-    def inference_affine(self):
+    def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = upcast(self.weight) * torch.rsqrt(self.running_var + self.eps)
         return scale, upcast(self.bias) - scale * self.running_mean
 
+    def inference_affine(self):
+        if self.causal:
+            raise RuntimeError("causal BN normalises each position by its own running "
+                               "statistics: there is no single per-channel affine to fold; "
+                               "build it without causal to fold")
+        return self._running_affine()
 
-def running_statistics(norm: nn.Module, mean: torch.Tensor, var: torch.Tensor,
+
+def running_statistics(alpha: float, running_mean: torch.Tensor, running_var: torch.Tensor,
+                       mean: torch.Tensor, var: torch.Tensor,
                        count: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The candidate ``running_mean``/``running_var`` of a BN-style ``norm`` after a batch of
-    ``count`` rows with ``mean`` and biased ``var``: EMAs keeping ``norm.momentum`` (alpha) of
-    the old value, the variance unbiased as torch's BatchNorm keeps it."""
-    alpha = norm.momentum
+    """The candidate ``running_mean``/``running_var`` after a batch of ``count`` rows with
+    ``mean`` and biased ``var``: EMAs keeping ``alpha`` of the old value, the variance
+    unbiased as torch's BatchNorm keeps it."""
     unbiased = var * count / (count - 1).clamp_min(1)
-    return {"running_mean": alpha * norm.running_mean + (1 - alpha) * mean,
-            "running_var": alpha * norm.running_var + (1 - alpha) * unbiased}
+    return {"running_mean": alpha * running_mean + (1 - alpha) * mean,
+            "running_var": alpha * running_var + (1 - alpha) * unbiased}
 
 
 def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
@@ -176,8 +253,8 @@ def prefix_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: f
     """``batch_standardize`` of batch-first sequences ``(B * T, C)``, each position t by the
     mean and biased variance of the valid rows at positions ``<= t`` of every sequence (of
     every replica with ``sync``; every replica's sequences must have the same T). The returned
-    ``mean``, ``var`` and ``count`` are the whole batch's (position T-1's), for the running
-    statistics.
+    ``mean``, ``var`` and ``count`` are per position, ``(T, C)`` and ``(T, 1)``: each prefix's,
+    for the per-position running statistics.
 
     Sums are cumulative over positions, taken about a detached shift (the mean of the first
     position that has a valid row, so still causal) so that E[x^2] - E[x]^2 keeps float32's
@@ -209,5 +286,4 @@ def prefix_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: f
     if valid is not None:  # padded rows are standardised, but add no gradient to statistics
         raw = rows.reshape(shape)
         z = torch.where(weight.bool(), z, (raw - shift - mean.detach()) * inv_std.detach())
-    return (z.reshape(rows.shape), (shift + mean[-1]).detach(), var[-1].detach(),
-            count[-1].detach())
+    return z.reshape(rows.shape), (shift + mean).detach(), var.detach(), count.detach()

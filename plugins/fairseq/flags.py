@@ -48,7 +48,9 @@ OPTIONS = {
 NOT_IN_FAIRSEQ = {"causal": "the causal option of BN/PRepBN needs batch-first (B, T, C) input, "
                             "and fairseq's layers pass time-first (T, B, C) (its encoder is not "
                             "causal either); use it in the language-modelling decoder "
-                            "(+exp=llama_71m_<norm>)"}
+                            "(+exp=llama_71m_<norm>)",
+                 "positions": "positions sizes the per-position statistics of causal BN/PRepBN, "
+                              "which translation does not offer"}
 
 
 def dest(option: str) -> str:

@@ -225,6 +225,8 @@ class _NormFactory:
             self.options.setdefault("eps", config.rms_norm_eps)
         if self.name == "rms":
             self.options.setdefault("bias", False)  # Llama's RMSNorm: a weight only
+        if self.options.get("causal") and self.options.get("positions") is None:
+            self.options["positions"] = config.max_position_embeddings  # per-position statistics
         if self.name == "pn_ls" and self.options.get("group_num") is None:
             self.options["group_num"] = config.num_attention_heads
         self.dyt_recipe = self.name == "dyt" and options["dyt_llm_recipe"]
