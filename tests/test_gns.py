@@ -197,18 +197,19 @@ def test_a_summed_loss_records_what_the_mean_loss_does(norm):
             torch.testing.assert_close(summed[name][key], value, rtol=1e-6, atol=0)
 
 
-def test_a_skipped_updates_steps_can_be_dropped():
-    """mark() before an update, drop_since(mark) after the optimizer skipped it: the records
-    are those of the updates taken."""
+def test_a_skipped_updates_steps_are_dropped():
+    """An update the loss-scale guard ends as skipped leaves no records: the records are those
+    of the updates taken."""
     torch.manual_seed(0)
     model = _model("ln")
     x, target = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
     taken = _record(copy.deepcopy(model), x, target)
+    guard = unnorm.LossScaleGuard(model)
     with unnorm.record_gns(model, example_dim=0) as recorder:
-        for scale in (1.0, 2.0):  # the second is skipped
-            mark = recorder.mark()
+        for scale, skipped in ((1.0, False), (2.0, True), (4.0, True)):
+            guard.begin_update(scale)
             (_losses(model(x), target).mean() * scale).backward()
-        recorder.drop_since(mark)
+            guard.end_update(skipped)
         records = recorder.flush()
     for key, value in taken["1"].items():
         assert torch.equal(records["1"][key], value)

@@ -106,10 +106,6 @@ class GNSTap(PendingRecords):
         self.batch_sq.append((shares.sum(dim=0).square().sum() * batch ** 2).float())
         self.examples.append(count)
 
-    def pending(self) -> int:
-        """The steps recorded since the last ``take``."""
-        return len(self.batch_sq)
-
     def take(self) -> dict[str, torch.Tensor]:
         records = self._taken()
         if not records["batch_sq"]:
@@ -134,8 +130,8 @@ class GNSRecorder(Recorder):
 
     ``flush()`` returns ``{layer_name: {"example_sq": (T, B), "batch_sq": (T,),
     "examples": (T,)}}`` for the steps since the last flush (one step per backward through
-    the layer, so one per micro-batch). ``mark()`` and ``drop_since(mark)`` forget the steps
-    of an update the optimizer skipped.
+    the layer, so one per micro-batch). The steps of an update that ``unnorm.GradScaler`` (or
+    a ``LossScaleGuard``) skipped are dropped.
     """
 
     slot = "_gns"
@@ -169,15 +165,6 @@ class GNSRecorder(Recorder):
 
     def new_tap(self) -> GNSTap:
         return GNSTap(self.example_dim, self.loss_multiplier, self.reduction)
-
-    def mark(self) -> dict[str, int]:
-        """Each layer's pending step count, for ``drop_since``."""
-        return {name: module._gns.pending() for name, module in self.layers.items()}
-
-    def drop_since(self, mark: dict[str, int]) -> None:
-        """Forget the steps recorded since ``mark()`` (the micro-batches of a skipped update)."""
-        for name, module in self.layers.items():
-            module._gns.drop(dict.fromkeys(GNSTap.fields, mark[name]))
 
 
 def record_gns(model: nn.Module, example_dim: Optional[int] = None,

@@ -37,13 +37,6 @@ class PendingRecords:
         self._updates.append(({field: len(getattr(self, field)) for field in self.fields},
                               skipped.detach().clone()))
 
-    def drop(self, keep: dict[str, int]) -> None:
-        """Forget each field's pending records after the first ``keep[field]``."""
-        for field in self.fields:
-            del getattr(self, field)[keep[field]:]
-        self._updates = [({field: min(end, keep[field]) for field, end in ends.items()}, skipped)
-                         for ends, skipped in self._updates]
-
     def _taken(self) -> dict[str, list[torch.Tensor]]:
         """Every field's records without the skipped updates', emptying the lists."""
         skipped = torch.stack([flag for _, flag in self._updates]).tolist() if self._updates else []

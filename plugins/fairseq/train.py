@@ -58,16 +58,12 @@ class EpochGNS:
         self.recorder = unnorm.record_gns(model, example_dim=1, loss_multiplier=1.0, reduction="sum")
         self.run = RunDirectory(Path(run_dir), writer=writer)
         self.update_freq, self.replicas = list(update_freq), replicas
-        self.epoch, self.chunks, self.updates, self.mark = None, [], 0, None
-
-    def begin_update(self) -> None:
-        self.mark = self.recorder.mark()
+        self.epoch, self.chunks, self.updates = None, [], 0
 
     def end_update(self, skipped: bool) -> None:
-        """Drop a skipped update's records (an overflow, an out-of-memory batch): the
-        records are those of the updates taken."""
+        """Count a taken update. A skipped one's records (an overflow, an out-of-memory
+        batch) are dropped by the trainer's ``LossScaleGuard``."""
         if skipped:
-            self.recorder.drop_since(self.mark)
             return
         self.updates += 1
         if self.updates % FLUSH_EVERY == 0:
@@ -124,8 +120,6 @@ class GuardedTrainer(Trainer):
         if self._updating:
             self._end_update(True)
         self.guard.begin_update(loss_scale(self.optimizer))
-        if self.gns:
-            self.gns.begin_update()
         self._updating = True
         updates = self.get_num_updates()
         try:
