@@ -87,13 +87,6 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         return (scale + upcast(self.alpha),
                 upcast(self.bn_bias) - scale * self.running_mean)
 
-    def inference_affine(self):
-        if self.causal:
-            raise RuntimeError("causal PRepBN normalises each position by its own running "
-                               "statistics: there is no single per-channel affine to fold; "
-                               "build it without causal to fold")
-        return self._running_affine()
-
     def _normalize(self, rows, valid):
         rows = upcast(rows)
         if not self.training:

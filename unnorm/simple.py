@@ -143,6 +143,13 @@ class CausalStatistics:
         seqs = rows.reshape(-1, length, rows.shape[-1])
         return torch.addcmul(shift[:length], seqs, scale[:length]).reshape(rows.shape)
 
+    def inference_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.causal:
+            raise RuntimeError(f"causal {type(self).__name__} normalises each position by its own "
+                               "running statistics: there is no single per-channel affine to "
+                               "fold; build it without causal to fold")
+        return self._running_affine()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         stored = state_dict.get(prefix + "running_mean")
         if stored is not None and stored.dim() != self.running_mean.dim():
@@ -195,13 +202,6 @@ class BatchNorm(CausalStatistics, GuardedNorm):
     def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = upcast(self.weight) * torch.rsqrt(self.running_var + self.eps)
         return scale, upcast(self.bias) - scale * self.running_mean
-
-    def inference_affine(self):
-        if self.causal:
-            raise RuntimeError("causal BN normalises each position by its own running "
-                               "statistics: there is no single per-channel affine to fold; "
-                               "build it without causal to fold")
-        return self._running_affine()
 
 
 def running_statistics(alpha: float, running_mean: torch.Tensor, running_var: torch.Tensor,
