@@ -214,8 +214,7 @@ def test_cells_test_against_ln_and_show_chance_apart(tmp_path):
 
 
 def test_holm_adjustment_against_hand_computed_values():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tables import holm
+    from analysis.significance import holm
     # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, max(0.03, 2 x 0.03), max(0.06, 1 x 0.04)
     assert holm([0.04, 0.01, 0.03]) == pytest.approx([0.06, 0.03, 0.06])
     assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])

@@ -1,0 +1,402 @@
+"""The paper's Tables 1-10 from recorded runs, beside the paper's numbers, as Markdown and
+LaTeX (``scripts/make_tables.py`` writes them). Reads run records and benchmark records only."""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from analysis.runs import (METHOD_NORMS, STABILITY_KEY, TASK_METRIC, changes, ladder,
+                           method_order, option_value, override_value, setting, where)
+from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
+
+SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.",
+                  STABILITY_KEY)
+CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
+            "generated shapes), not the paper's dataset or schedule.")
+
+
+def is_default(run: dict) -> bool:
+    """A run of an experiment as configured (no sweep or ablation override)."""
+    return not any(item.startswith(SWEEP_PREFIXES) for item in run.get("overrides", []))
+
+
+def paper_text(value) -> str:
+    return "—" if value is None else str(value)
+
+
+@dataclass
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    notes: list[str] = field(default_factory=list)
+
+
+def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
+    """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric)."""
+    header = ["method"] + list(columns)
+    cells = {(norm, column): select(runs, task=lambda r: r.get("task") == task,
+                                    norm=lambda r, n=norm: r.get("norm") == n,
+                                    model=lambda r, m=model: m is None or r.get("model") == m,
+                                    data=lambda r, d=data: r.get("exp_data") == d,
+                                    default=is_default)
+             for norm in METHOD_NORMS.values() for column, (model, data, _) in columns.items()}
+    comparisons = Comparisons()
+    rows = []
+    for method, norm in METHOD_NORMS.items():
+        row = [method]
+        for column, (_, _, metric) in columns.items():
+            cell = cells[(norm, column)]
+            text = f"{paper_text(paper.get(method, {}).get(column))} / {cell.text(metric)}"
+            row.append(text if norm == "ln" else
+                       (text, comparisons.add(cell.values(metric), cells[("ln", column)].values(metric),
+                                              metric)))
+        if any(_text(cell) != "— / —" for cell in row[1:]):
+            rows.append(row)
+    return Table(title, header, with_tests(rows, comparisons, "; vs LN "),
+                 ["Each cell: paper / ours; vs LN: our difference from LN's runs in the column.",
+                  comparisons.note()])
+
+
+def _text(cell) -> str:
+    return cell if isinstance(cell, str) else cell[0]
+
+
+def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
+    """Columns: the swept values; rows: the paper's metrics, then ours: UN runs that change
+    nothing but ``key`` (the experiment's own runs count at their configured value), a row
+    per (task, model, data) where ``key`` was swept, in that task's metric."""
+    header = [key] + [str(v) for v in values]
+    rows = [[name] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
+    unswept = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None
+               and all(item.lstrip("+").startswith(key) for item in changes(r))]
+    swept = {where(r) for r in unswept if override_value(r, key) is not None}
+    comparisons = Comparisons()
+    for place in sorted(swept):
+        task, model, data = place
+        metric = TASK_METRIC[task]
+        group = [r for r in unswept if where(r) == place]
+        default = Cell([r for r in group if not changes(r)]).values(metric)
+        row: list = [f"ours: {model} {data} {metric}"]
+        for v in values:
+            cell = Cell([r for r in group if _same(option_value(r, key), v)])
+            has_default = any(not changes(r) for r in cell.runs)
+            row.append(cell.text(metric) if has_default or not cell.runs else
+                       (cell.text(metric), comparisons.add(cell.values(metric), default, metric)))
+        rows.append(row)
+    return Table(title, header, with_tests(rows, comparisons, "; vs default "),
+                 [f"ours: vs default: against UN as configured (the column holding its runs). "
+                  f"{comparisons.note()}"])
+
+
+def _same(text: Optional[str], value) -> bool:
+    if text is None:
+        return False
+    try:
+        return float(text) == float(value)
+    except ValueError:
+        return text.lower() == str(value).lower()
+
+
+def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
+    """Rows: the paper's component experiments; ours: a column per (task, model, data) of UN
+    runs with ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default)."""
+    un = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None]
+    groups = sorted({where(r) for r in un if override_value(r, "ablation")})
+    header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
+              + [f"ours: {model} {data} {TASK_METRIC[task]}" for task, model, data in groups])
+    comparisons = Comparisons()
+    rows = []
+    for item in paper_rows:
+        row: list = [str(item[k]) for k in ("exp", "fwd_gm", "bwd_am", "bwd_ema")]
+        row += [paper_text(item.get(m)) for m in metrics]
+        wanted = [] if item["exp"] == 1 else [f"+ablation=un_exp{item['exp']}"]
+        for place in groups:
+            metric = TASK_METRIC[place[0]]
+            cell = Cell([r for r in un if where(r) == place and changes(r) == wanted])
+            default = Cell([r for r in un if where(r) == place and not changes(r)])
+            row.append(cell.text(metric) if not wanted or not cell.runs else
+                       (cell.text(metric), comparisons.add(cell.values(metric), default.values(metric),
+                                                           metric)))
+        rows.append(row)
+    return Table(title, header, with_tests(rows, comparisons, "; vs Exp1 "),
+                 [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}"])
+
+
+def stability_tables(runs: list[dict]) -> list[Table]:
+    """The stability map: per model, every setting at each learning-rate multiple, as the
+    collapsed fraction and the mean metric of the runs that did not collapse."""
+    tables = []
+    for (task, model, data), settings in sorted(ladder(runs).items()):
+        metric = TASK_METRIC[task]
+        multiples = sorted({m for cells in settings.values() for m in cells})
+        comparisons = Comparisons(DIGITS.get(metric, 1))
+        reference = reference_method(task)
+        rows = []
+        for label in sorted(settings, key=method_order):
+            row: list = [label]
+            for m in multiples:
+                cell = Cell(settings[label].get(m, []))
+                baseline = Cell(settings.get(reference, {}).get(m, []))
+                row.append(cell.text(metric) if label == reference or not cell.runs else
+                           (cell.text(metric), comparisons.add(cell.values(metric), baseline.values(metric))))
+            rows.append(row)
+        tables.append(Table(f"Stability: {model} {data}, {metric} by learning-rate multiple",
+                            ["setting"] + [f"{m:g}x lr" for m in multiples],
+                            with_tests(rows, comparisons, f"; vs {reference} "),
+                            ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
+                             "chance k/n: k finished no better than chance; the number is the mean "
+                             f"of the others. vs {reference}: against {reference} at the same multiple.",
+                             comparisons.note()]))
+    return tables
+
+
+def reference_method(task: str) -> str:
+    """The setting every method is tested against: LN (a language model's: Pre-LN)."""
+    return "Pre-LN" if task == "language_modelling" else "LN"
+
+
+def settings_tables(runs: list[dict]) -> list[Table]:
+    """Every CPU-scale setting (defaults, sweeps, ablations) per model, mean +- std over seeds:
+    the evidence behind the CPU mini-reproduction, in one place."""
+    small = [r for r in runs if r.get("scale", "full") != "full"
+             and override_value(r, STABILITY_KEY) is None]
+    tables = []
+    for task, model, data in sorted({where(r) for r in small}):
+        group = [r for r in small if where(r) == (task, model, data)]
+        metric = TASK_METRIC[task]
+        labels = sorted({setting(r) for r in group}, key=method_order)
+        cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
+        reference = reference_method(task)
+        comparisons = Comparisons(DIGITS.get(metric, 1))
+        rows = []
+        for label, cell in cells.items():
+            baseline = label.split(" ")[0] if " " in label else reference
+            tested = baseline != label and baseline in cells
+            rows.append([label, cell.text(metric), baseline if tested else "—",
+                         ("", comparisons.add(cell.values(metric), cells[baseline].values(metric)))
+                         if tested else "—"])
+        tables.append(Table(f"CPU-scale settings: {model} {data}",
+                            ["setting", metric, "baseline", "vs baseline"],
+                            with_tests(rows, comparisons),
+                            [f"Baseline: the method as configured for a changed setting, else "
+                             f"{reference}. {comparisons.note()}"]))
+    return tables
+
+
+BATCH_KEY = "recipe.cpu.batch_size"  # the language-modelling batch-size sweep
+#: what a batch-size sweep's run may change: the batch, and the updates that keep its tokens
+BATCH_SWEEP_KEYS = tuple(f"recipe.cpu.{key}=" for key in
+                         ("batch_size", "micro_batch_size", "max_steps", "warmup_steps", "eval_every"))
+
+
+def lm_tables(runs: list[dict]) -> list[Table]:
+    """Per language-modelling testbed: every norm and placement as configured (validation loss,
+    its difference from Pre-LN with Welch's p, whether training-mode statistics see later
+    tokens); then the batch-size sweep, UN against LN at each batch size."""
+    lm = [r for r in runs if r.get("task") == "language_modelling"
+          and override_value(r, STABILITY_KEY) is None]
+    tables = []
+    for place in sorted({where(r) for r in lm}):
+        group = [r for r in lm if where(r) == place]
+        labels = sorted({setting(r) for r in group if " " not in setting(r)}, key=method_order)
+        cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
+        baseline = cells["Pre-LN"].values("val_loss") if "Pre-LN" in cells else []
+        comparisons = Comparisons(DIGITS["val_loss"])
+        rows = []
+        for label, cell in cells.items():
+            leak = {r["metrics"].get("leaks_future") for r in cell.runs if r["status"] == "ok"}
+            train_mode = [r["metrics"]["val_loss_train_mode"] for r in cell.runs
+                          if r["status"] == "ok" and "val_loss_train_mode" in r["metrics"]]
+            seen = ("yes" if leak == {True} else "no" if leak == {False} else "mixed" if leak else "—")
+            if train_mode:
+                seen += f" (train mode {statistics.mean(train_mode):.3f})"
+            rows.append([label, cell.text("val_loss"), "—" if label == "Pre-LN" else
+                         ("", comparisons.add(cell.values("val_loss"), baseline)), seen])
+        tables.append(Table(
+            f"Language modelling: {place[1]} {place[2]}, validation loss (nats)",
+            ["setting", "val_loss", "vs Pre-LN: difference (Welch p)", "sees later tokens"],
+            with_tests(rows, comparisons),
+            ["Lower is better. 'sees later tokens': training-mode logits at position t move when "
+             "a later token changes (the future-leak probe); 'train mode' is the validation loss "
+             "with training-mode statistics.", comparisons.note()]))
+        if any(override_value(r, BATCH_KEY) is not None for r in group):
+            tables.append(batch_table(place, group, sorted({r["batch_size"] for r in group
+                                                            if "batch_size" in r})))
+    return tables
+
+
+def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:
+    """Pre-LN and Pre-UN at each batch size of the sweep: runs that change nothing but the
+    batch and the updates that keep the training tokens (or nothing), with no accumulation
+    (the norms' statistics see the whole batch)."""
+    def cell(norm: str, size: int) -> Cell:
+        return Cell([r for r in group if r.get("norm") == norm and r.get("norm_position") == "pre"
+                     and r.get("accumulate") == 1 and r.get("batch_size") == size
+                     and all(c.startswith(BATCH_SWEEP_KEYS) for c in changes(r))])
+    cells = {(norm, size): cell(norm, size) for norm in ("ln", "un") for size in sizes}
+    rows = [[method] + [cells[(norm, size)].text("val_loss") for size in sizes]
+            for method, norm in (("Pre-LN", "ln"), ("Pre-UN", "un"))]
+    comparisons = Comparisons(DIGITS["val_loss"])
+    rows.append(["UN − LN (Welch p)"] + [("", comparisons.add(cells[("un", size)].values("val_loss"),
+                                                              cells[("ln", size)].values("val_loss")))
+                                         for size in sizes])
+    tokens = sorted({r["metrics"]["tokens"] for c in cells.values() for r in c.runs
+                     if "tokens" in r.get("metrics", {})})
+    return Table(f"Language modelling: {place[1]} {place[2]}, validation loss by batch size "
+                 "(sequences per update, same training tokens)",
+                 ["setting"] + [str(size) for size in sizes], with_tests(rows, comparisons),
+                 [f"{comparisons.note()} No run accumulates: UN's and LN's statistics see the "
+                  f"batch size in the column. Training tokens per run: {', '.join(map(str, tokens))}."])
+
+
+FOLDED_VARIANTS = {"un_folded": "UN", "prepbn_folded": "PRepBN", "dyt": "DyT"}
+
+
+def efficiency_table(paper: dict, benchmarks: Path) -> Table:
+    """The paper's LN vs folded UN, and ours for each folded norm (the rivals beside UN)."""
+    header = ["setting", "norm", "LN MB", "norm MB", "mem reduction", "LN img/s", "norm img/s",
+              "speed-up", "no-norm limit"]
+    rows = []
+    for name, values in paper.items():
+        rows.append([f"paper {name}", "UN folded", str(values["LN"]["mem_mb"]),
+                     str(values["UN"]["mem_mb"]), f"{values['mem_reduction']:.1%}",
+                     str(values["LN"]["tput"]), str(values["UN"]["tput"]), f"{values['speedup']:.1%}",
+                     "—"])
+    for path in sorted(benchmarks.glob("inference_*.json")):
+        bench = json.loads(path.read_text())
+        by = {(r["model"], r["variant"], r["mode"]): r for r in bench["inference"]}
+        for (model, _, mode), row in by.items():  # the baseline of an unpaired memory ratio
+            row["ln_peak_mem_mb"] = by[(model, "ln", mode)]["peak_mem_mb"]
+        for (model, variant, mode), ln in sorted(by.items()):
+            if variant != "ln":
+                continue
+            for folded, method in FOLDED_VARIANTS.items():
+                if (model, folded, mode) not in by:
+                    continue
+                other = by[(model, folded, mode)]
+                mem = (ln["peak_mem_mb"], other["peak_mem_mb"])
+                limit = by.get((model, "no_norm", mode), {})
+                rows.append([f"ours {model} {mode} bs{ln.get('batch', bench['batch'])} ({bench['device']})",
+                             f"{method} folded", f"{mem[0]:.0f}" if mem[0] else "—",
+                             f"{mem[1]:.0f}" if mem[1] else "—",
+                             _mem_reduction(other) if all(mem) else "—",
+                             _rate(ln["images_per_s"]), _rate(other["images_per_s"]),
+                             _speedup(other), _speedup(limit) if limit else "—"])
+    return Table("Table 8: inference efficiency, LN vs folded norms (Swin-T; Mask R-CNN Swin-T; "
+                 "LLaMA-71M, whose img/s are sequences/s)",
+                 header, rows, ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole "
+                                "process during inference, a median over fresh processes, its "
+                                "reduction the paired ratio to LN's with the bootstrap 95% "
+                                "interval. DyT folded keeps its elementwise tanh. Speed-ups are "
+                                "medians of per-round paired ratios with their bootstrap 95% "
+                                "interval. The no-norm limit beside each row is what removing "
+                                "every norm reaches: a speed-up inside the noise that leaves the "
+                                "limit below LN is not one."])
+
+
+def _mem_reduction(row: dict) -> str:
+    """A variant's peak memory below LN's, with its interval over fresh processes when
+    recorded (CPU RSS; a GPU's allocator count is exact)."""
+    if "mem_vs_ln" not in row:
+        return f"{1 - row['peak_mem_mb'] / row['ln_peak_mem_mb']:.1%}"
+    ratio = row["mem_vs_ln"]
+    return f"{1 - ratio['median']:.1%} [{1 - ratio['hi']:.1%}, {1 - ratio['lo']:.1%}]"
+
+
+def _speedup(row: dict) -> str:
+    """A variant's throughput over LN's as a speed-up, with its interval."""
+    ratio = row["vs_ln"]
+    return f"{ratio['median'] - 1:+.1%} [{ratio['lo'] - 1:+.1%}, {ratio['hi'] - 1:+.1%}]"
+
+
+def _rate(images_per_s: float) -> str:
+    return f"{images_per_s:.1f}" if images_per_s >= 10 else f"{images_per_s:.3f}"
+
+
+def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]:
+    cls_columns = {"swin_t_imagenet": ("swin_t", "imagenet"),
+                   "t2t_vit_14_imagenet": ("t2t_vit_14", "imagenet"),
+                   "t2t_vit_14_cifar10": ("t2t_vit_14", "cifar10"),
+                   "t2t_vit_14_cifar100": ("t2t_vit_14", "cifar100")}
+    tables = [
+        method_table("Table 1: translation BLEU (pre-norm Transformer)", paper["table1_nmt_bleu"],
+                     runs, {d: (None, d, "bleu") for d in ("iwslt14", "wmt14")}, "translation"),
+        method_table("Table 2: classification top-1 (%)", paper["table2_cls_top1"], runs,
+                     {name: (*where, "top1") for name, where in cls_columns.items()},
+                     "classification"),
+    ]
+    for key, title in (("table3_faster_rcnn_swin_t_coco_3x", "Table 3: Faster R-CNN Swin-T 3x, COCO"),
+                       ("table4_mask_rcnn_swin_t_coco_3x", "Table 4: Mask R-CNN Swin-T 3x, COCO")):
+        flat = {method: _flatten(values) for method, values in paper[key].items()}
+        model = "faster_rcnn_swin_t" if "faster" in key else "mask_rcnn_swin_t"
+        columns = {c: (model, "coco", _coco_metric(c))
+                   for c in next(iter(flat.values()))}
+        tables.append(method_table(title, flat, runs, columns, "detection"))
+    tables += [
+        ablation_table("Table 5: UN components, Mask R-CNN 1x", paper["table5_ablation_mask_rcnn_12ep"],
+                       ["box_AP", "mask_AP"], runs),
+        sweep_table("Table 6: window size M", paper["table6_window_size_mask_rcnn_12ep"]["M"],
+                    {f"paper {k}": v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items()
+                     if k != "M"}, runs, "norm.window_size"),
+        sweep_table("Table 7: outlier filtration", [True, False],
+                    {f"paper {k}": [paper["table7_outlier_filtration"]["with"][k],
+                                    paper["table7_outlier_filtration"]["without"][k]]
+                     for k in paper["table7_outlier_filtration"]["with"]},
+                    runs, "norm.outlier_filtration"),
+        efficiency_table(paper["table8_efficiency_swin_t"], benchmarks),
+        ablation_table("Table 9: UN components, IWSLT14 BLEU", paper["table9_ablation_iwslt14"],
+                       ["bleu"], [r for r in runs if r.get("task") == "translation"]),
+        sweep_table("Table 10: momentum alpha", paper["table10_alpha"]["alpha"],
+                    {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
+                    runs, "norm.momentum"),
+    ]
+    return tables + lm_tables(runs) + stability_tables(runs) + settings_tables(runs)
+
+
+def _coco_metric(column: str) -> str:
+    """Our detection runs name COCO metrics as pycocotools' iouTypes: bbox_AP50, segm_AP."""
+    kind, _, name = column.rpartition(" ")
+    return f"{'segm' if kind == 'mask' else 'bbox'}_{name}"
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key} "))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def to_markdown(tables: list[Table], run_count: int) -> str:
+    out = [f"# The paper's tables beside ours ({run_count} recorded runs)", "",
+           "Generated by `python scripts/make_tables.py`; do not edit.", "", CPU_NOTE, ""]
+    for table in tables:
+        out += [f"## {table.title}", "", "| " + " | ".join(table.header) + " |",
+                "|" + "---|" * len(table.header)]
+        out += ["| " + " | ".join(row) + " |" for row in table.rows]
+        notes = [note for note in table.notes if note]
+        out += [""] + notes + ([""] if notes else [])
+    return "\n".join(out)
+
+
+def _tex(text: str) -> str:
+    return (text.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%")
+            .replace("±", "$\\pm$").replace("†", "$^\\dagger$").replace("—", "--")
+            .replace("#", "\\#").replace("&", "\\&"))
+
+
+def to_latex(tables: list[Table]) -> str:
+    out = [f"% Generated by scripts/make_tables.py. {_tex(CPU_NOTE)}"]
+    for table in tables:
+        out += ["\\begin{table}[t]", "\\centering\\small", f"\\caption{{{_tex(table.title)}}}",
+                "\\begin{tabular}{l" + "c" * (len(table.header) - 1) + "}", "\\toprule",
+                " & ".join(_tex(h) for h in table.header) + " \\\\", "\\midrule"]
+        out += [" & ".join(_tex(c) for c in row) + " \\\\" for row in table.rows]
+        out += ["\\bottomrule", "\\end{tabular}", "\\end{table}", ""]
+    return "\n".join(out)
