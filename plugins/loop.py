@@ -25,6 +25,7 @@ from tqdm import tqdm
 import unnorm
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
                             metrics_row, record_collapse, rejected_steps, run_logger)
+from plugins.sam import SharpnessAware
 from plugins.training import (Checkpointer, Distributed, backward, optimizer_step, save_gns,
                               save_statistics)
 
@@ -61,6 +62,7 @@ class EpochLoop:
                                        model=model, optimizer=optimizer, scheduler=scheduler,
                                        collapse=self.detector, scaler=scaler, **parts)
         self.start_epoch, self.step, self.metrics = 0, 0, {}
+        self.sam = sharpness_aware(cfg, model, world)
 
     def resume(self, init: str) -> str:
         """Load ``last.pt`` if the run has one, and make the run's records the ones it covers
@@ -93,6 +95,11 @@ class EpochLoop:
         gradients of ``accumulate`` micro-batches (the norms count micro-batches).
         """
         cfg, world, device = self.cfg, self.world, self.world.device
+        if self.sam is not None and accumulate > 1:
+            raise ValueError(f"sam with gradient accumulation ({accumulate} micro-batches per "
+                             "update) is not defined here: SAM's ascent needs the whole update's "
+                             "gradient before its second pass. Use one micro-batch per update "
+                             "(a smaller batch, or more memory), or sam=none")
         loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
                        "persistent_workers": cfg.scale.num_workers > 0, "collate_fn": collate_fn}
         logger = run_logger(cfg, self.out_dir, enabled=world.main)
@@ -121,6 +128,8 @@ class EpochLoop:
                 loss_sums: dict[str, torch.Tensor] = {}
                 for micro_batches in _updates(progress, steps_per_epoch, accumulate):
                     self.optimizer.zero_grad(set_to_none=True)
+                    if self.sam is not None:
+                        self.sam.new_update()
                     update_sums: dict[str, torch.Tensor] = {}
                     for index, batch in enumerate(micro_batches):
                         last = index == accumulate - 1  # DDP reduces the gradients once, at the last
@@ -131,6 +140,8 @@ class EpochLoop:
                             backward(loss / accumulate, self.scaler)
                         for name, value in {"loss": loss, **parts}.items():
                             update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
+                    if self.sam is not None:  # the second pass, at the perturbed weights
+                        self._second_pass(forward, micro_batches[0])
                     lrs.append(self.optimizer.param_groups[0]["lr"])  # a float: no device read
                     optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
                     step += 1
@@ -172,7 +183,7 @@ class EpochLoop:
                 self.checkpoint.save(epoch=epoch, step=step, init=init, metrics=metrics, row=row,
                                      data=self.data, config=OmegaConf.to_container(cfg))
                 self.run.append_row(row)
-            meta = {**meta, "epochs": epochs, "init": init}
+            meta = {**meta, "epochs": epochs, "init": init, **self._trainable()}
             meta.update(steps=step, **rejected_steps(self.model.state_dict()))
             result = self.run.write_result(status="ok", metrics=metrics, meta=meta)
         except TrainingCollapsed as collapse:
@@ -183,6 +194,40 @@ class EpochLoop:
                 tap.close()
             logger.finish()
         return result
+
+
+    def _second_pass(self, forward: Callable[[object], Losses], batch) -> None:
+        """SAM: perturb, the forward and backward again (the norms' state as the first pass
+        left it), and the weights back; the optimizer then steps with this gradient."""
+        self.sam.ascend()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.sam.second_pass():
+            losses = forward(batch)
+            backward(sum(losses.values()) if isinstance(losses, Mapping) else losses, self.scaler)
+        self.sam.restore()
+
+    def _trainable(self) -> dict:
+        """What the run trains: its trainable parameter count, and SAM's perturbed set."""
+        record = {"trainable_parameters": sum(p.numel() for p in self.model.parameters()
+                                              if p.requires_grad)}
+        if self.sam is not None:
+            record["sam_perturbed_parameters"] = self.sam.size(self.model)[0]
+        return record
+
+
+def sharpness_aware(cfg: DictConfig, model: nn.Module, world: Distributed) -> Optional[SharpnessAware]:
+    """The run's SAM (``sam=sam|sam_on|asam|asam_on``), or None (``sam=none``)."""
+    chosen = cfg.get("sam")
+    if chosen is None or chosen.name == "none":
+        return None
+    options = OmegaConf.to_container(chosen, resolve=True)
+    options.pop("name")
+    sam = SharpnessAware(model, **options)
+    if world.main:
+        count, share = sam.size(model)
+        print(f"SAM ({'only the norms' if sam.only_norm else 'every parameter'}) perturbs "
+              f"{count} parameters, {100 * share:.2f}% of the trainable ones")
+    return sam
 
 
 def _updates(batches: Iterable, count: int, accumulate: int):

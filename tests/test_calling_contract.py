@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import unnorm
 from test_norms import STATEFUL, make_sequence, random_affine
-from test_scale_path import _Overflow, _scaler, loss_of, model, norm_state
+from test_scale_path import _Overflow, _scaler, model, norm_state
 
 C = 8
 SHAPE = (4, 5, C)

@@ -2,12 +2,12 @@
 
     import unnorm
     norm = unnorm.build_norm("un", 384, window_size=4, outlier_filtration=True)
-    unnorm.swap_norms(model, "un")            # every LayerNorm -> UN
+    unnorm.swap_norms(model, "un")            # every LayerNorm/RMSNorm -> UN
     unnorm.fold_into_linear(norm, [qkv])      # after model.eval(): offline norms, DyT's affine
     scaler = unnorm.GradScaler(model, "cuda")  # AMP loss scaling the norms do not see
 """
 from .amp import GradScaler, LossScaleGuard
-from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted
+from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted, UpdateStart
 from .convert import (CompressedRMSNorm, center_writer, compress_readers, compress_writer,
                       convert_to_pre_crms, convert_to_pre_rms, to_compressed_rms_norm, to_rms_norm)
 from .distributed import NORM_SYNC_MODES, check_norm_sync, distribute_norm_state, norm_state
@@ -23,7 +23,7 @@ from .registry import (available_norms, build_norm, is_foldable, is_offline, nor
                        option_names)
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
-from .swap import replace_module, swap_norms
+from .swap import ChannelsFirst, replace_module, swap_norms
 from .unified import RELEASED_UN_NAMES, UnifiedNorm, convert_released_state_dict
 
 
@@ -40,11 +40,11 @@ __all__ = [
     "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "option_names",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
-    "replace_module", "record_statistics", "record_gns", "reset_steps",
+    "replace_module", "ChannelsFirst", "record_statistics", "record_gns", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder", "GNSRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
-    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "GradScaler", "LossScaleGuard",
+    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "GradScaler", "LossScaleGuard", "UpdateStart",
     "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",
     "compress_writer", "compress_readers", "to_rms_norm", "to_compressed_rms_norm",
 ]

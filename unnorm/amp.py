@@ -25,7 +25,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from .base import ChannelNorm, GuardedNorm
+from .base import ChannelNorm, UpdateStart
 
 
 class LossScaleGuard:
@@ -46,9 +46,7 @@ class LossScaleGuard:
         self.skipped_updates = torch.zeros((), dtype=torch.long, device=device)
         for norm in self.norms:
             norm.loss_scale = self.scale
-            if isinstance(norm, GuardedNorm):  # each call keeps the update's start (base.py)
-                norm._update_start = (torch.ones((), dtype=torch.bool, device=device),
-                                      {name: b.clone() for name, b in norm._state().items()})
+        self.update_start = UpdateStart(model)
 
     def begin_update(self, scale: Union[float, torch.Tensor]) -> None:
         """``scale``: what the loss is multiplied by in this update (a float, or a 0-dim
@@ -69,10 +67,8 @@ class LossScaleGuard:
             for tap in (norm._tap, norm._gns):
                 if tap is not None:
                     tap.end_update(skipped)
-            if isinstance(norm, GuardedNorm):
-                first_call, start = norm._update_start
-                norm._restore(start, skipped & ~first_call)  # a norm not called keeps its state
-                first_call.fill_(True)
+        self.update_start.restore(skipped)
+        self.update_start.new_update()
         self.skipped_updates.add_(skipped.long())
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -204,7 +205,7 @@ class GuardedNorm(OfflineNorm):
     #: checkpointed segments; older ones, whose backward never came, are forgotten
     MAX_PENDING_CALLS = 16
     _pending_calls: Optional[list] = None
-    #: ``(first_call, state)`` while a LossScaleGuard watches this norm: the state before
+    #: ``(first_call, state)`` while an ``UpdateStart`` watches this norm: the state before
     #: the update's first training call is copied into ``state`` while ``first_call`` is set
     _update_start: Optional[tuple[torch.Tensor, dict]] = None
 
@@ -267,7 +268,7 @@ class GuardedNorm(OfflineNorm):
         """Commit a training call's forward ``state`` if its batch was ``accepted``; count a
         rejection. Returns the state before the call (for a take-back)."""
         start = {name: snapshot(buffer) for name, buffer in self._state().items()}
-        if self._update_start is not None:  # what an update the scaler skips returns to
+        if self._update_start is not None:  # what a skipped update, a second pass return to
             first_call, saved = self._update_start
             for name, value in start.items():
                 saved[name].copy_(torch.where(first_call, value, saved[name]))
@@ -327,6 +328,58 @@ class StepCounted(GuardedNorm):
     def reset_step(self) -> None:
         """Restart the step counter (fine-tuning from other weights re-runs warm-up)."""
         self.num_iters.zero_()
+
+
+class UpdateStart:
+    """The state of every norm of ``model`` with running state as it was before the current
+    optimizer update's first training call, kept on the device by the norms' own calls (a
+    flag and a copy per norm: no host read). An update that a loss scaler skips returns to it
+    (``unnorm.LossScaleGuard``), and so does SAM's second pass (``unnorm.second_pass``).
+    Watching a model twice shares one copy."""
+
+    def __init__(self, model: nn.Module):
+        self.all_norms = [m for m in model.modules() if isinstance(m, ChannelNorm)]
+        self.norms = [m for m in self.all_norms if isinstance(m, GuardedNorm)]
+        for norm in self.norms:
+            if norm._update_start is None:
+                device = norm.num_rejected.device
+                norm._update_start = (torch.ones((), dtype=torch.bool, device=device),
+                                      {name: b.clone() for name, b in norm._state().items()})
+
+    def new_update(self) -> None:
+        """The next training call of each norm starts an update."""
+        for norm in self.norms:
+            norm._update_start[0].fill_(True)
+
+    def restore(self, where: Optional[torch.Tensor] = None) -> None:
+        """Return every norm called in this update to its state at the update's start (where
+        ``where`` holds); a norm not called keeps its state."""
+        for norm in self.norms:
+            first_call, start = norm._update_start
+            called = ~first_call if where is None else where & ~first_call
+            norm._restore(start, called)
+
+    @contextmanager
+    def second_pass(self) -> Iterator[None]:
+        """SAM's second forward and backward, at perturbed weights: every norm computes from
+        the update's start, as the first pass did, and on exit is as the first pass left it:
+        the update advances each running statistic, window and counter once, from the first
+        (unperturbed) pass. The taps record nothing of it."""
+        after = [{name: b.clone() for name, b in norm._buffers.items() if b is not None}
+                 for norm in self.norms]
+        # only tapped norms are touched: a compiled model's guards read these attributes
+        tapped = [(norm, norm._tap, norm._gns) for norm in self.all_norms
+                  if norm._tap is not None or norm._gns is not None]
+        self.restore()
+        for norm, _, _ in tapped:
+            norm._tap = norm._gns = None
+        try:
+            yield
+        finally:
+            for norm, tap, gns in tapped:
+                norm._tap, norm._gns = tap, gns
+            for norm, state in zip(self.norms, after):
+                norm._restore(state)
 
 
 def inside_backward() -> bool:

@@ -5,7 +5,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_call,
                    replicas_active, row_count, statistic_ok, sum_over_replicas, upcast,

@@ -21,6 +21,7 @@ from timm.scheduler import create_scheduler_v2
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
+from plugins.sam import freeze_except
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
                               epoch_plan, load_weights, run_task)
 
@@ -109,6 +110,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
               f"{recipe.batch_size} x {context} tokens per update in {accumulate} micro-batch(es), "
               f"{world.world} process(es), {device})")
 
+    freeze_except(model, cfg.train_only, head=model.lm_head)  # train_only=norm|norm+head
     decay, no_decay = [], []
     for param in model.parameters():
         (decay if param.ndim > 1 else no_decay).append(param)

@@ -20,6 +20,7 @@ from torch import nn
 
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import chance_rule, run_meta
+from plugins.sam import freeze_except
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
                               epoch_plan, load_weights, require_init, run_task)
 
@@ -100,6 +101,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     if world.main:
         print(f"{cfg.exp_name}: {cfg.model.timm_name} with {cfg.norm.name} on {cfg.data.name} "
               f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
+    freeze_except(model, cfg.train_only, head=model.get_classifier())  # train_only=norm|norm+head
     ema = ModelEmaV3(model, decay=recipe.model_ema.decay) if recipe.model_ema.enabled else None
 
     lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple

@@ -18,6 +18,7 @@ from timm.scheduler import create_scheduler_v2
 
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import DETECTION_CHANCE, run_meta
+from plugins.sam import freeze_except
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
                               epoch_plan, load_weights, require_init, run_task)
 
@@ -86,6 +87,7 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         print(f"{cfg.exp_name}: {cfg.model.name} with {cfg.norm.name} on {cfg.data.name} "
               f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
 
+    freeze_except(model, cfg.train_only, head=model.roi_heads)  # train_only=norm|norm+head
     skip = {f"backbone.body.{name}" for name in model.backbone.body.no_weight_decay()}
     skip |= {name for name, _ in model.named_parameters() if "relative_position_bias_table" in name}
     peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple

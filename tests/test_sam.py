@@ -1,0 +1,236 @@
+"""Training through the norms (plugins/sam.py): SAM on a quadratic against its closed form,
+SAM-ON and ASAM-ON against the release's algorithm written out from sam_on.py, the norms'
+running state advanced once per SAM update (also when a scaler skips it, and compiled in one
+graph), norm-only training, and both through the shared training loop."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import unnorm
+from plugins.sam import SharpnessAware, freeze_except, norm_parameters, refuse_in
+from test_lm import TINY_MODEL, TINY_RECIPE, config, corpus_root  # noqa: F401 (a fixture)
+from test_norms import STATEFUL, make_sequence
+
+C = 8
+SHAPE = (4, 5, C)
+
+
+class Block(nn.Module):
+    """A tiny model whose norm layers carry 'norm' in their names, as the release needs."""
+
+    def __init__(self, norm: str):
+        super().__init__()
+        self.inp = nn.Linear(C, C)
+        self.norm1 = unnorm.build_norm(norm, C, **STATEFUL.get(norm, {}))
+        self.mid = nn.Linear(C, C)
+        self.norm2 = nn.LayerNorm(C)
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, x):
+        return self.head(self.norm2(self.mid(torch.nn.functional.gelu(self.norm1(self.inp(x))))))
+
+
+def loss_of(model, x):
+    return model(x).square().mean()
+
+
+def sam_update(model, optimizer, sam, x, scaler=None):
+    """One update as the shared loop makes it."""
+    optimizer.zero_grad(set_to_none=True)
+    sam.new_update()
+    loss = loss_of(model, x)
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    sam.ascend()
+    optimizer.zero_grad(set_to_none=True)
+    with sam.second_pass():
+        loss = loss_of(model, x)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+    sam.restore()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_sam_on_a_quadratic_is_its_closed_form():
+    """L = w^T A w / 2: g = A w, eps = rho g / |g|, w' = w - lr A (w + eps)."""
+    a = torch.tensor([[3.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    w0 = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    model = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(w0)
+    sam = SharpnessAware(model, rho=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    quadratic = lambda: 0.5 * model.weight[0] @ a @ model.weight[0]  # noqa: E731
+    quadratic().backward()
+    sam.ascend()
+    optimizer.zero_grad()
+    quadratic().backward()
+    sam.restore()
+    optimizer.step()
+    g = a @ w0
+    expected = w0 - 0.2 * a @ (w0 + 0.1 * g / g.norm())
+    torch.testing.assert_close(model.weight[0].detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def release_update(model, x, rho, adaptive, eta=0.0, elementwise=True, normalize_bias=False,
+                   lr=0.1):
+    """sam_on.py's SAM_BN/ASAM_BN with only_bn (parameters chosen by name), then SGD."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_of(model, x).backward()
+    old, scaled, norms = {}, {}, []
+    for name, p in model.named_parameters():
+        old[name] = p.detach().clone()
+        if p.grad is None or ("norm" not in name and "bn" not in name):
+            continue
+        grad = p.grad.clone()
+        t = None
+        if adaptive and ("weight" in name or normalize_bias):
+            t = p.detach().abs() + eta if elementwise else torch.ones_like(p) * p.norm() + eta
+            grad = grad * t
+        scaled[name] = (grad, t)
+        norms.append(grad.norm())
+    total = torch.stack(norms).norm() + 1e-16
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in scaled:
+                grad, t = scaled[name]
+                p.add_((grad if t is None else grad * t) * rho / total)
+    optimizer.zero_grad()
+    loss_of(model, x).backward()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(old[name])
+    optimizer.step()
+
+
+@pytest.mark.parametrize("adaptive, normalize_bias", [(False, False), (True, False), (True, True)])
+def test_sam_on_and_asam_on_are_the_releases_algorithm(adaptive, normalize_bias):
+    """LN norms (no running state, so the second pass is the release's exactly); the
+    perturbation touches the norms' affine only; the descent uses the perturbed gradient for
+    every parameter."""
+    torch.manual_seed(0)
+    ours = Block("ln")
+    theirs = copy.deepcopy(ours)
+    x = make_sequence(1, shape=SHAPE)[0][0]
+    release_update(theirs, x, rho=0.5, adaptive=adaptive, normalize_bias=normalize_bias, eta=0.01)
+    sam = SharpnessAware(ours, rho=0.5, adaptive=adaptive, only_norm=True, eta=0.01,
+                         normalize_bias=normalize_bias)
+    assert set(sam.perturbed) == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"}
+    sam_update(ours, torch.optim.SGD(ours.parameters(), lr=0.1), sam, x)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_the_perturbed_set_is_chosen_by_module_type():
+    model = nn.Sequential(nn.Linear(C, C), unnorm.build_norm("dyt", C),
+                          unnorm.build_norm("prepbn", C, decay_iters=4), nn.GroupNorm(2, C))
+    chosen = set(norm_parameters(model))
+    assert chosen == {"1.weight", "1.bias", "2.weight", "2.bias", "2.bn_weight", "2.bn_bias",
+                      "3.weight", "3.bias"}  # not DyT's alpha nor RepBN's alpha
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_a_sam_update_advances_the_norms_state_once(name):
+    """Every running statistic, window and counter as after one plain step on the batch."""
+    torch.manual_seed(0)
+    plain = Block(name)
+    sharp = copy.deepcopy(plain)
+    sam = SharpnessAware(sharp, rho=0.5, only_norm=True)
+    optimizer = torch.optim.SGD(sharp.parameters(), lr=0.1)
+    for x in make_sequence(6, shape=SHAPE)[0]:
+        loss_of(plain, x).backward()  # the state depends on the weights: compare step 1 only
+        sam_update(sharp, optimizer, sam, x)
+        break
+    for key, value in plain.norm1.state_dict().items():
+        if key not in ("weight", "bias") and "bn_" not in key and key != "alpha":
+            torch.testing.assert_close(sharp.norm1.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    if hasattr(sharp.norm1, "num_iters"):
+        assert int(sharp.norm1.num_iters) == 1
+
+
+@pytest.mark.parametrize("name", ["un", "bn"])
+def test_a_scaler_that_skips_a_sam_update_leaves_every_norm_as_it_was(name):
+    torch.manual_seed(0)
+    model = Block(name)
+    scaler = unnorm.GradScaler(model, "cpu", init_scale=2.0 ** 8)
+    sam = SharpnessAware(model, rho=0.5, only_norm=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = make_sequence(4, shape=SHAPE, spikes={})[0]
+    sam_update(model, optimizer, sam, xs[0], scaler)
+    before = copy.deepcopy(model.state_dict())
+    model.head.weight.register_hook(lambda g: g * float("inf"))  # both passes overflow
+    sam_update(model, optimizer, sam, xs[1], scaler)
+    for key, value in before.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert int(scaler.guard.skipped_updates) == 1
+
+
+def test_compiled_sam_training_is_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    model = Block("un")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    sam = SharpnessAware(model, rho=0.5, only_norm=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch._dynamo.config.patch(recompile_limit=1000):
+        for x in make_sequence(6, shape=SHAPE)[0]:
+            sam_update(compiled, optimizer, sam, x)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and int(model.norm1.num_iters) == 6
+
+
+def test_norm_only_training_freezes_everything_else_at_its_initialisation():
+    torch.manual_seed(0)
+    model = Block("bn")
+    start = copy.deepcopy(model.state_dict())
+    count = freeze_except(model, "norm", head=None)
+    assert count == 4 * C
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for x in make_sequence(3, shape=SHAPE)[0]:
+        optimizer.zero_grad()
+        loss_of(model, x).backward()
+        optimizer.step()
+    for key in ("inp.weight", "mid.bias", "head.weight"):
+        assert torch.equal(model.state_dict()[key], start[key]), key
+    assert not torch.equal(model.norm2.weight, start["norm2.weight"])
+    other = Block("bn")
+    assert freeze_except(other, "norm+head", head=other.head) == 4 * C + C * 3 + 3
+    with pytest.raises(ValueError, match="train_only must be one of all, norm, norm\\+head"):
+        freeze_except(model, "norms", head=None)
+
+
+def test_bad_sam_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="sam.rho .* must be > 0"):
+        SharpnessAware(Block("ln"), rho=0)
+    with pytest.raises(ValueError, match="no trainable norm parameters"):
+        SharpnessAware(nn.Sequential(nn.Linear(C, C), unnorm.build_norm("nonorm", C)), rho=0.5,
+                       only_norm=True)
+    from omegaconf import OmegaConf
+    with pytest.raises(ValueError, match="fairseq trains in its own loop"):
+        refuse_in("fairseq", OmegaConf.create({"sam": {"name": "sam"}, "train_only": "all"}))
+
+
+def test_the_loop_trains_with_sam_on_and_records_what_it_trained(corpus_root, tmp_path):  # noqa: F811
+    from plugins.lm import build_lm
+    from plugins.lm.trainer import train
+    cfg = config("+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
+                 f"data.root={corpus_root}", "sam=sam_on", "train_only=norm+head",
+                 *TINY_MODEL, *TINY_RECIPE, "recipe.micro_batch_size=8", "norm.warmup_iters=2")
+    result = train(cfg, tmp_path / "run")
+    assert result["status"] in ("ok", "chance"), result
+    model = build_lm(cfg.model, cfg.norm, vocab_size=300)
+    norms = sum(p.numel() for p in norm_parameters(model).values())
+    head = sum(p.numel() for p in model.lm_head.parameters())
+    assert result["sam_perturbed_parameters"] == norms
+    assert result["trainable_parameters"] == norms + head
+    with pytest.raises(ValueError, match="gradient accumulation"):
+        train(config("+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
+                     f"data.root={corpus_root}", "sam=sam_on", *TINY_MODEL, *TINY_RECIPE),
+              tmp_path / "refused")
