@@ -42,9 +42,9 @@ _BATCH_STATISTICS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalRespo
 
 @dataclass(frozen=True)
 class HostNorm:
-    """A host norm's reading: ``kind(x) * scale + bias`` over ``channels`` per position."""
+    """A host norm's reading: a LayerNorm or RMSNorm over ``channels`` per position, then
+    ``* scale + bias``."""
 
-    kind: str  # "ln" or "rms"
     channels: int
     eps: float
     scale: Optional[torch.Tensor]  # the effective scale (1 + w for a 1 + w norm); None: no affine
@@ -81,14 +81,14 @@ def read_host_norm(module: nn.Module) -> HostNorm:
     if extra:
         raise ValueError(f"has state besides weight and bias ({', '.join(extra)}) that no "
                          "LayerNorm or RMSNorm carries")
-    extra_inputs = list(inspect.signature(module.forward).parameters)[1:]
+    extra_inputs = [p.name for p in inspect.signature(module.forward).parameters.values()
+                    if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)][1:]
     if extra_inputs:
         raise ValueError(f"its forward takes more than the input ({', '.join(extra_inputs)}): "
                          "a gated or conditioned norm")
     channels, eps = _channels(module), _eps(module)
     # the scale is w, 1 + w (Gemma), or an unused placeholder (None: FalconMamba's)
     scale_offsets = (0.0, 1.0, None) if _tensor(module, "weight") is not None else (None,)
-    kinds = ("rms", "ln") if "rms" in type(module).__name__.lower() else ("ln", "rms")
     failures = []
     for layout, channels_first, leading in _LAYOUTS:
         probe = _probe(channels, eps, leading, channels_first)
@@ -97,11 +97,11 @@ def read_host_norm(module: nn.Module) -> HostNorm:
         except Exception as error:  # a layout the module does not take: another may fit
             failures.append(f"{layout} input raised {type(error).__name__}: {error}")
             continue
-        for kind in kinds:
+        for kind in ("ln", "rms"):
             for offset in scale_offsets:
                 scale = None if offset is None else weight + offset
                 if _reproduces(out, _reading_output(kind, probe, eps, scale, bias, channels_first)):
-                    return HostNorm(kind, channels, eps, _effective(module, "weight", offset),
+                    return HostNorm(channels, eps, _effective(module, "weight", offset),
                                     _effective(module, "bias", 0.0), channels_first)
         failures.append(f"{layout} output is no LayerNorm or RMSNorm (scale w or 1 + w) with "
                         f"eps={eps:g}")
@@ -165,7 +165,7 @@ def _run_with_random_affine(module: nn.Module, probe: torch.Tensor, eps: float):
     """``(weight, bias, output)`` of a float32 copy of ``module`` given random affine
     parameters (so a scale of zeros or ones cannot hide how it is used)."""
     generator = torch.Generator().manual_seed(1)
-    twin = copy.deepcopy(module).float().train(module.training)
+    twin = copy.deepcopy(module).float()
     for name in _EPS_NAMES:  # torch's RMSNorm(eps=None) would take float32's, not the host's
         if getattr(twin, name, 0) is None:
             setattr(twin, name, eps)

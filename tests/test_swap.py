@@ -1,0 +1,181 @@
+"""``unnorm.swap_norms`` on the norms of Hugging Face and timm models, tiny and random.
+
+Every expectation is the host model's own output before the swap."""
+import pytest
+import timm
+import torch
+import transformers as hf
+from timm.layers import LayerNorm2d
+from torch import nn
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+import unnorm
+
+TOKENS = torch.arange(12).reshape(2, 6) % 50
+IMAGES = torch.linspace(-2, 2, 2 * 3 * 32 * 32).reshape(2, 3, 32, 32).sin()
+TEXT = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1)
+
+
+def _logits(model):
+    return model(TOKENS).logits
+
+
+def _images(model):
+    return model(IMAGES)
+
+
+# name: (build the model, run it to (..., classes), its norm classes, the like-for-like norm)
+MODELS = {
+    "bert": (lambda: hf.BertModel(hf.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32), add_pooling_layer=False),
+             lambda model: model(TOKENS).last_hidden_state, {"LayerNorm"}, "ln"),
+    "gpt2": (lambda: hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=50, n_embd=16, n_layer=2,
+                                                       n_head=2, n_positions=16)),
+             _logits, {"LayerNorm"}, "ln"),
+    "hf_vit": (lambda: hf.ViTForImageClassification(hf.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, num_labels=3)),
+               lambda model: model(IMAGES).logits, {"LayerNorm"}, "ln"),
+    "llama": (lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**TEXT)), _logits,
+              {"LlamaRMSNorm"}, "rms"),
+    "qwen2": (lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**TEXT)), _logits,
+              {"Qwen2RMSNorm"}, "rms"),
+    "gemma": (lambda: hf.GemmaForCausalLM(hf.GemmaConfig(**TEXT, head_dim=8)), _logits,
+              {"GemmaRMSNorm"}, "rms"),
+    "t5": (lambda: hf.T5ForConditionalGeneration(hf.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)),
+           lambda model: model(TOKENS, decoder_input_ids=TOKENS).logits, {"T5LayerNorm"}, "rms"),
+    "timm_vit": (lambda: timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3),
+                 _images, {"LayerNorm"}, "ln"),
+    "timm_swin": (lambda: timm.models.swin_transformer.SwinTransformer(
+        img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(1, 1),
+        num_heads=(1, 2), num_classes=3), _images, {"LayerNorm"}, "ln"),
+    "timm_convnext": (lambda: timm.models.convnext.ConvNeXt(  # LayerNorm2d and LayerNorm
+        depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), conv_mlp=False, num_classes=3), _images,
+                      {"LayerNorm", "LayerNorm2d"}, "ln"),
+}
+
+
+def _build(key):
+    torch.manual_seed(0)
+    build, run, classes, like = MODELS[key]
+    return build(), run, classes, like
+
+
+def _host_norms(model, classes):
+    """The model's own norms (unnorm's LayerNorm has one of their names)."""
+    return {n: m for n, m in model.named_modules()
+            if type(m).__name__ in classes and not isinstance(m, unnorm.ChannelNorm)}
+
+
+@torch.no_grad()
+def _random_affines(norms):
+    """Affines far from their initial ones (Gemma's w = 0), so carrying them is seen."""
+    for module in norms.values():
+        module.weight.uniform_(-0.5, 1.5)
+        if getattr(module, "bias", None) is not None:
+            module.bias.uniform_(-0.5, 0.5)
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_like_for_like_swap_leaves_the_outputs_unchanged(key):
+    model, run, classes, like = _build(key)
+    hosts = _host_norms(model, classes)
+    _random_affines(hosts)
+    model.eval()
+    with torch.no_grad():
+        before = run(model)
+    assert unnorm.swap_norms(model, like) == len(hosts) > 0
+    assert not _host_norms(model, classes)
+    with torch.no_grad():
+        torch.testing.assert_close(run(model), before, rtol=1e-4, atol=1e-5)
+    for name, host in hosts.items():
+        new = model.get_submodule(name)
+        new = new.norm if isinstance(new, unnorm.ChannelsFirst) else new
+        offset = 1.0 if key == "gemma" else 0.0  # Gemma scales by 1 + w
+        torch.testing.assert_close(new.weight, host.weight + offset)
+        assert (new.bias is None) == (getattr(host, "bias", None) is None)
+
+
+def test_convnext_keeps_its_channels_first_norms_channels_first():
+    model, _, _, _ = _build("timm_convnext")
+    nchw = [n for n, m in model.named_modules() if isinstance(m, LayerNorm2d)]
+    unnorm.swap_norms(model, "un")
+    assert nchw and all(isinstance(model.get_submodule(n), unnorm.ChannelsFirst) for n in nchw)
+
+
+@pytest.mark.parametrize("name", ["un", "bn", "dyt"])
+@pytest.mark.parametrize("key", MODELS)
+def test_swapped_norms_train_and_offline_ones_fold(key, name):
+    model, run, classes, _ = _build(key)
+    count = len(_host_norms(model, classes))
+    options = {"warmup_iters": 2, "window_size": 2} if name == "un" else {}
+    assert unnorm.swap_norms(model, name, **options) == count
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with torch.no_grad():
+        out = run(model)
+    targets = torch.randint(out.shape[-1], out.shape[:-1], generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(6):
+        loss = nn.functional.cross_entropy(run(model).flatten(0, -2), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    if unnorm.is_offline(name):
+        _assert_folding_keeps_the_eval_output(model.eval(), run)
+
+
+@torch.no_grad()
+def _assert_folding_keeps_the_eval_output(model, run):
+    """Every swapped norm becomes its inference affine: the model's eval output stays."""
+    before = run(model)
+    plan = {n: [] for n, m in model.named_modules() if isinstance(m, unnorm.ChannelNorm)}
+    assert unnorm.fold_norms(model, plan) == len(plan) > 0
+    torch.testing.assert_close(run(model), before, rtol=1e-4, atol=1e-5)
+
+
+def _with_unknown_norms():
+    """A LayerNorm beside two norms swap_norms cannot translate: Mamba2's gated RMSNorm (its
+    forward takes a gate) and timm's SimpleNorm (x / std(x), uncentred)."""
+    return nn.Sequential(nn.LayerNorm(8), MambaRMSNormGated(8, group_size=8),
+                         timm.layers.SimpleNorm(8), nn.BatchNorm1d(8), nn.GroupNorm(2, 8))
+
+
+def test_an_unrecognised_norm_is_refused_by_name_and_nothing_is_swapped():
+    model = _with_unknown_norms()
+    with pytest.raises(ValueError, match="(?s)1 .*MambaRMSNormGated.*gate.*2 .*SimpleNorm") as error:
+        unnorm.swap_norms(model, "un")
+    assert "0 (" not in str(error.value)  # the LayerNorm is recognised, not listed
+    assert type(model[0]) is nn.LayerNorm
+
+
+def test_exclude_leaves_named_norms_and_batch_and_group_norms_are_kept():
+    model = _with_unknown_norms()
+    assert unnorm.swap_norms(model, "un", exclude=["1", "2"]) == 1
+    assert isinstance(model[0], unnorm.UnifiedNorm)
+    assert [type(m) for m in model[1:]] == [MambaRMSNormGated, timm.layers.SimpleNorm,
+                                           nn.BatchNorm1d, nn.GroupNorm]
+
+
+def test_include_swaps_only_the_matched_norms():
+    model, run, classes, _ = _build("llama")
+    hosts = _host_norms(model, classes)
+    matched = {n for n in hosts if n.endswith(".input_layernorm")}
+    assert unnorm.swap_norms(model, "un", include="*.input_layernorm") == len(matched) == 2
+    swapped = {n for n, m in model.named_modules() if isinstance(m, unnorm.UnifiedNorm)}
+    assert swapped == matched
+    assert set(_host_norms(model, classes)) == set(hosts) - matched
+    assert unnorm.swap_norms(model, "bn", exclude=["model.norm"]) == len(hosts) - 3
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
+def test_a_pattern_matching_no_norm_is_refused():
+    model, _, _, _ = _build("llama")
+    with pytest.raises(ValueError, match="include pattern '\\*.input_layer_norm' matches no norm"):
+        unnorm.swap_norms(model, "un", include=["*.input_layer_norm"])
