@@ -11,8 +11,7 @@
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 CACHE=${UNNORM_WHEEL_CACHE:-$HOME/.cache/unnorm/wheels}
-MMCV_URL=https://files.pythonhosted.org/packages/a7/19/f97f0fd4d432113a232e75f965335be6b7bb6557ae9faf8051e9a012cadd/mmcv-2.1.0.tar.gz
-MMCV_SHA256=d387bcab66b467479b6660310e23746cfc79c6e57acf04094680adb499a5cd3f
+MMCV_SHA256=d387bcab66b467479b6660310e23746cfc79c6e57acf04094680adb499a5cd3f  # mmcv-2.1.0.tar.gz
 
 # mmcv's build and mmengine's imports use pkg_resources, which setuptools 81 removed.
 "$PY" -m pip install -q "setuptools>=64,<81"
@@ -24,9 +23,10 @@ if ! ls "$WHEEL_DIR"/mmcv-2.1.0-*.whl >/dev/null 2>&1; then
     WORK=$(mktemp -d)
     trap 'rm -rf "$WORK"' EXIT
     echo "building mmcv 2.1.0 against torch $TORCH ($CUDA_TAG); this takes about 20 minutes" >&2
-    curl -fsSL "$MMCV_URL" -o "$WORK/mmcv.tar.gz"
-    echo "$MMCV_SHA256  $WORK/mmcv.tar.gz" | sha256sum -c --quiet
-    tar -xzf "$WORK/mmcv.tar.gz" -C "$WORK"
+    # through pip, so its configured index, mirror or proxy serves the sdist
+    "$PY" -m pip download -q --no-binary :all: --no-deps --no-build-isolation mmcv==2.1.0 -d "$WORK"
+    echo "$MMCV_SHA256  $WORK/mmcv-2.1.0.tar.gz" | sha256sum -c --quiet
+    tar -xzf "$WORK/mmcv-2.1.0.tar.gz" -C "$WORK"
     grep -q -- "-std=c++17" "$WORK/mmcv-2.1.0/setup.py"
     sed -i 's/-std=c++17/-std=c++20/' "$WORK/mmcv-2.1.0/setup.py"
     mkdir -p "$WHEEL_DIR"
