@@ -268,7 +268,7 @@ class GuardedNorm(OfflineNorm):
         """Commit a training call's forward ``state`` if its batch was ``accepted``; count a
         rejection. Returns the state before the call (for a take-back)."""
         start = {name: snapshot(buffer) for name, buffer in self._state().items()}
-        if self._update_start is not None:  # what a skipped update, a second pass return to
+        if self._update_start is not None:  # what a skipped update and a second pass return to
             first_call, saved = self._update_start
             for name, value in start.items():
                 saved[name].copy_(torch.where(first_call, value, saved[name]))
@@ -334,7 +334,7 @@ class UpdateStart:
     """The state of every norm of ``model`` with running state as it was before the current
     optimizer update's first training call, kept on the device by the norms' own calls (a
     flag and a copy per norm: no host read). An update that a loss scaler skips returns to it
-    (``unnorm.LossScaleGuard``), and so does SAM's second pass (``unnorm.second_pass``).
+    (``unnorm.LossScaleGuard``), and so does SAM's second pass (``second_pass``).
     Watching a model twice shares one copy."""
 
     def __init__(self, model: nn.Module):
