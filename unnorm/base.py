@@ -279,6 +279,11 @@ class GuardedNorm(OfflineNorm):
         self.num_rejected.add_((~accepted).long())
         return start
 
+    def _commit_graphless(self, state: dict[str, torch.Tensor], accepted: torch.Tensor) -> None:
+        """A training call that builds no graph: committed whole now (no backward will come)."""
+        self._commit_forward(state, accepted)
+        self._record_rejected(~accepted)
+
     def _remember_call(self, start: dict) -> None:
         calls = self._pending_calls = self._pending_calls or []
         calls.append(start)
@@ -445,10 +450,10 @@ def commit_call(out: torch.Tensor, norm: GuardedNorm, valid: Optional[torch.Tens
                        state: dict[str, torch.Tensor], accepted: torch.Tensor) -> torch.Tensor:
     """``out`` of a training call whose forward ``state`` is committed now; its backward takes
     the call back on a non-finite gradient."""
-    start = norm._commit_forward(state, accepted)
     if not builds_graph(out):
-        norm._record_rejected(~accepted)
+        norm._commit_graphless(state, accepted)
         return out
+    start = norm._commit_forward(state, accepted)
     return _CommitOnBackward.apply(out, norm, valid, accepted, recomputing(), call_id(start),
                                    tuple(start), *start.values())
 

@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 
 from .base import (StepCounted, builds_graph, call_id, channel_sum, channel_sum_sq,
-                   check_momentum, first_backward, snapshot, per_channel, recomputing, replicas_active,
-                   statistic_ok, sum_over_replicas, unscaled, upcast, zero_padding)
+                   check_momentum, first_backward, per_channel, recomputing, replicas_active,
+                   snapshot, statistic_ok, sum_over_replicas, unscaled, upcast, zero_padding)
 
 
 @dataclass
@@ -86,8 +86,7 @@ class EstimatedNorm(StepCounted):
             return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid,
                                                 recomputing())
         out, plan, accepted, _ = _forward_step(self, rows, self.weight, self.bias, valid)
-        self._commit_forward(plan.state, accepted)
-        self._record_rejected(~accepted)  # no backward will come
+        self._commit_graphless(plan.state, accepted)
         return out
 
     def _plan_step(self, second_moment: torch.Tensor, step: torch.Tensor) -> StepPlan:
