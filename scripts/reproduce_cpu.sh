@@ -15,8 +15,9 @@
 #   lm_stability  Pre-/Post-/Peri-/Mix-LN, RMSNorm, UN, DyT and NoNorm at 3x and 10x the
 #               learning rate (1x: the lm runs)
 #   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
-#   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON, ASAM, ASAM-ON and norm-only
-#               training with and without the head (the base optimizer: the main runs)
+#   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
+#               norm-only training with and without the head (three); the base optimizer: the
+#               main runs
 # then the tables, the stability figures, the LM loss curves, PNAC/statistics figures and CKA.
 #
 # Runs go to $OUT (checkpoints, statistics, logs); their records (result.json, config.yaml,
@@ -83,10 +84,11 @@ runs() {  # one line per run: <group>/<name> <overrides...>
       echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
     done
   done
-  for seed in $MAIN_SEEDS; do
+  for seed in $MAIN_SEEDS; do  # seed by seed, so that a stopped grid has whole seeds
     for model in swin_t t2t_vit_14; do for norm in ln bn un; do
-      for sam in sam sam_on asam asam_on; do
+      for sam in sam sam_on asam_on; do
         echo "sam/${model}_$norm-$sam-s$seed +exp=${model}_$norm sam=$sam seed=$seed"; done
+      [[ " $PROBE_SEEDS " == *" $seed "* ]] || continue
       for only in norm norm+head; do
         echo "sam/${model}_$norm-only-${only/+/_}-s$seed +exp=${model}_$norm train_only=$only seed=$seed"; done
     done; done
