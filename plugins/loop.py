@@ -136,12 +136,13 @@ class EpochLoop:
                         with nullcontext() if last or world.world == 1 else net.no_sync():
                             losses = forward(batch)
                             parts = dict(losses) if isinstance(losses, Mapping) else {}
-                            loss = sum(parts.values()) if parts else losses
+                            loss = _total(losses)
                             backward(loss / accumulate, self.scaler)
                         for name, value in {"loss": loss, **parts}.items():
                             update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
                     if self.sam is not None:  # the second pass, at the perturbed weights
-                        self._second_pass(forward, micro_batches[0])
+                        self.sam.perturbed_gradient(lambda: backward(
+                            _total(forward(micro_batches[0])), self.scaler))
                     lrs.append(self.optimizer.param_groups[0]["lr"])  # a float: no device read
                     optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
                     step += 1
@@ -196,22 +197,12 @@ class EpochLoop:
         return result
 
 
-    def _second_pass(self, forward: Callable[[object], Losses], batch) -> None:
-        """SAM: perturb, the forward and backward again (the norms' state as the first pass
-        left it), and the weights back; the optimizer then steps with this gradient."""
-        self.sam.ascend()
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.sam.second_pass():
-            losses = forward(batch)
-            backward(sum(losses.values()) if isinstance(losses, Mapping) else losses, self.scaler)
-        self.sam.restore()
-
     def _trainable(self) -> dict:
         """What the run trains: its trainable parameter count, and SAM's perturbed set."""
         record = {"trainable_parameters": sum(p.numel() for p in self.model.parameters()
                                               if p.requires_grad)}
         if self.sam is not None:
-            record["sam_perturbed_parameters"] = self.sam.size(self.model)[0]
+            record["sam_perturbed_parameters"] = self.sam.size()[0]
         return record
 
 
@@ -224,10 +215,15 @@ def sharpness_aware(cfg: DictConfig, model: nn.Module, world: Distributed) -> Op
     options.pop("name")
     sam = SharpnessAware(model, **options)
     if world.main:
-        count, share = sam.size(model)
+        count, share = sam.size()
         print(f"SAM ({'only the norms' if sam.only_norm else 'every parameter'}) perturbs "
               f"{count} parameters, {100 * share:.2f}% of the trainable ones")
     return sam
+
+
+def _total(losses: Losses) -> torch.Tensor:
+    """The loss a forward returned, or the sum of its parts."""
+    return sum(losses.values()) if isinstance(losses, Mapping) else losses
 
 
 def _updates(batches: Iterable, count: int, accumulate: int):

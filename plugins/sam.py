@@ -24,7 +24,7 @@ facebookresearch/open_lth): every other parameter stays at its initialisation.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -78,7 +78,8 @@ def freeze_except(model: nn.Module, train_only: str, head: Optional[nn.Module]) 
 class SharpnessAware:
     """SAM/ASAM over ``model``'s trainable parameters, or over its norms' only (``only_norm``:
     SAM-ON, ASAM-ON). Per update: the first forward and backward; ``ascend()``; the second
-    forward and backward inside ``second_pass()``; ``restore()``; the optimizer's step.
+    forward and backward inside ``second_pass()``; ``restore()`` (the last three:
+    ``perturbed_gradient``); the optimizer's step.
 
     A loss scaler may scale both passes: eps does not depend on the gradient's scale, and a
     non-finite first pass makes a non-finite second one, which the scaler skips."""
@@ -91,6 +92,7 @@ class SharpnessAware:
         if not (isinstance(eta, (int, float)) and eta >= 0):
             raise ValueError(f"sam.eta (ASAM's offset of |w|) must be >= 0, got {eta!r}")
         named = norm_parameters(model) if only_norm else dict(model.named_parameters())
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.perturbed = {name: p for name, p in named.items() if p.requires_grad}
         if not self.perturbed:
             raise ValueError("sam.only_norm: the model has no trainable norm parameters to "
@@ -101,10 +103,10 @@ class SharpnessAware:
         self.update_start = unnorm.UpdateStart(model)
         self._saved: list[tuple[nn.Parameter, torch.Tensor]] = []
 
-    def size(self, model: nn.Module) -> tuple[int, float]:
+    def size(self) -> tuple[int, float]:
         """How many parameters are perturbed, and their share of the trainable ones."""
         count = sum(p.numel() for p in self.perturbed.values())
-        return count, count / sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return count, count / sum(p.numel() for p in self.trainable)
 
     def new_update(self) -> None:
         """Call before an update's first forward (the norms' state at its start is kept)."""
@@ -145,6 +147,16 @@ class SharpnessAware:
             param.copy_(value)
         self._saved = []
 
+    def perturbed_gradient(self, forward_backward: Callable[[], object]) -> None:
+        """After the first pass's backward: ascend, clear every gradient, run the second
+        forward and backward (``forward_backward()``) at ``w + eps``, and restore ``w``. The
+        model's gradients are then the perturbed point's, for the optimizer's step."""
+        self.ascend()
+        for param in self.trainable:
+            param.grad = None
+        with self.second_pass():
+            forward_backward()
+        self.restore()
 
 
 def refuse_in(framework: str, cfg) -> None:

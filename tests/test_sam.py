@@ -43,13 +43,9 @@ def sam_update(model, optimizer, sam, x, scaler=None):
     optimizer.zero_grad(set_to_none=True)
     sam.new_update()
     loss = loss_of(model, x)
-    (loss if scaler is None else scaler.scale(loss)).backward()
-    sam.ascend()
-    optimizer.zero_grad(set_to_none=True)
-    with sam.second_pass():
-        loss = loss_of(model, x)
-        (loss if scaler is None else scaler.scale(loss)).backward()
-    sam.restore()
+    scaled = (lambda loss: loss) if scaler is None else scaler.scale
+    scaled(loss).backward()
+    sam.perturbed_gradient(lambda: scaled(loss_of(model, x)).backward())
     if scaler is None:
         optimizer.step()
     else:
