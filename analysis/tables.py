@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from analysis.runs import (METHOD_NORMS, STABILITY_KEY, TASK_METRIC, changes, ladder,
-                           method_order, option_value, override_value, setting, where)
+from analysis.runs import (METHOD_NORMS, NORM_METHODS, STABILITY_KEY, TASK_METRIC, changes,
+                           ladder, method_order, option_value, override_value, setting, where)
 from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
 
+#: the ways of training through the norms (sam=..., train_only=...): tabled on their own
+TRAINING_THROUGH_NORMS = ("sam=", "train_only=")
 SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.",
-                  STABILITY_KEY)
+                  STABILITY_KEY, *TRAINING_THROUGH_NORMS)
 CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
             "generated shapes), not the paper's dataset or schedule.")
 
@@ -161,9 +163,10 @@ def reference_method(task: str) -> str:
 
 def settings_tables(runs: list[dict]) -> list[Table]:
     """Every CPU-scale setting (defaults, sweeps, ablations) per model, mean +- std over seeds:
-    the evidence behind the CPU mini-reproduction, in one place."""
+    the evidence behind the CPU mini-reproduction, in one place (training through the norms
+    has its tables, ``sam_tables``)."""
     small = [r for r in runs if r.get("scale", "full") != "full"
-             and override_value(r, STABILITY_KEY) is None]
+             and override_value(r, STABILITY_KEY) is None and not through_norms(r)]
     tables = []
     for task, model, data in sorted({where(r) for r in small}):
         group = [r for r in small if where(r) == (task, model, data)]
@@ -185,6 +188,74 @@ def settings_tables(runs: list[dict]) -> list[Table]:
                             [f"Baseline: the method as configured for a changed setting, else "
                              f"{reference}. {comparisons.note()}"]))
     return tables
+
+
+def through_norms(run: dict) -> list[str]:
+    """The run's ``sam=``/``train_only=`` overrides (none: the recipe's optimizer, all
+    parameters)."""
+    return [c for c in changes(run) if c.startswith(TRAINING_THROUGH_NORMS)]
+
+
+#: the columns of the training-through-the-norms tables: their override, and the name of the
+#: benchmark variant timed for them (scripts/bench_sam.py)
+THROUGH_NORMS_COLUMNS = {"base": ([], "base"), "SAM": (["sam=sam"], "sam"),
+                         "SAM-ON": (["sam=sam_on"], "sam_on"), "ASAM": (["sam=asam"], "asam"),
+                         "ASAM-ON": (["sam=asam_on"], "asam_on"),
+                         "norm only": (["train_only=norm"], "norm"),
+                         "norm + head": (["train_only=norm+head"], "norm+head")}
+
+
+def sam_tables(runs: list[dict], benchmarks: Path) -> list[Table]:
+    """Per model trained through its norms: each norm with the recipe's optimizer (base), SAM,
+    SAM-ON, ASAM(-ON) and norm-only training, every cell tested against base; then the cost of
+    an update against base's (scripts/bench_sam.py), where measured."""
+    eligible = [r for r in runs if override_value(r, STABILITY_KEY) is None
+                and changes(r) == through_norms(r)]
+    tables = []
+    for place in sorted({where(r) for r in eligible if through_norms(r)}):
+        group = [r for r in eligible if where(r) == place]
+        metric = TASK_METRIC[place[0]]
+        norms = sorted({r.get("norm") for r in group if through_norms(r)},
+                       key=lambda n: method_order(NORM_METHODS.get(n, n)))
+        columns = {name: wanted for name, (wanted, _) in THROUGH_NORMS_COLUMNS.items()
+                   if any(changes(r) == wanted and r.get("norm") in norms for r in group)}
+        comparisons = Comparisons(DIGITS.get(metric, 1))
+        rows = []
+        for norm in norms:
+            cells = {name: Cell([r for r in group if r.get("norm") == norm and changes(r) == wanted])
+                     for name, wanted in columns.items()}
+            base = cells["base"].values(metric) if "base" in cells else []
+            rows.append([NORM_METHODS.get(norm, norm)] + [
+                cell.text(metric) if name == "base" or not cell.runs else
+                (cell.text(metric), comparisons.add(cell.values(metric), base))
+                for name, cell in cells.items()])
+        tables.append(Table(f"Training through the norms: {place[1]} {place[2]}, {metric}",
+                            ["norm", *columns], with_tests(rows, comparisons, "; vs base "),
+                            ["base: the recipe's optimizer on every parameter (the main runs); "
+                             "SAM/ASAM perturb every parameter, -ON only the norms' affine "
+                             "(configs/sam); norm only: every other parameter frozen at its "
+                             "initialisation (train_only). vs base: against base in the row.",
+                             comparisons.note()]))
+    cost = benchmarks / "sam_cpu.json"
+    if cost.exists():
+        bench = json.loads(cost.read_text())
+        by = {(r["model"], r["norm"], r["variant"]): r for r in bench["results"]}
+        names = [name for name, (_, variant) in THROUGH_NORMS_COLUMNS.items()
+                 if any(key[2] == variant for key in by)]
+        rows = [[model, NORM_METHODS.get(norm, norm)] + [
+            _ratio(by[(model, norm, THROUGH_NORMS_COLUMNS[name][1])]["vs_base"])
+            if (model, norm, THROUGH_NORMS_COLUMNS[name][1]) in by else "—" for name in names]
+            for model, norm in dict.fromkeys(key[:2] for key in by)]
+        tables.append(Table(f"Training through the norms: cost of an update, x base ({bench['device']})",
+                            ["model", "norm", *names], rows,
+                            [f"scripts/bench_sam.py: one update on the CPU-scale run's batch, data "
+                             f"loading not timed; the median of per-round ratios to base over "
+                             f"{bench['rounds']} rounds, with its {bench['spread']}."]))
+    return tables
+
+
+def _ratio(ratio: dict) -> str:
+    return f"{ratio['median']:.2f} [{ratio['lo']:.2f}, {ratio['hi']:.2f}]"
 
 
 BATCH_KEY = "recipe.cpu.batch_size"  # the language-modelling batch-size sweep
@@ -354,7 +425,8 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
                     {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
                     runs, "norm.momentum"),
     ]
-    return tables + lm_tables(runs) + stability_tables(runs) + settings_tables(runs)
+    return (tables + lm_tables(runs) + stability_tables(runs) + sam_tables(runs, benchmarks)
+            + settings_tables(runs))
 
 
 def _coco_metric(column: str) -> str:

@@ -182,6 +182,83 @@ def test_compiled_sam_training_is_one_graph():
     assert counter.frame_count == 1 and int(model.norm1.num_iters) == 6
 
 
+@pytest.mark.parametrize("name", ["un", "bn"])
+def test_a_sam_update_on_a_bfloat16_model_keeps_float32_state_and_restores_w_exactly(name):
+    """A module cast to bfloat16: eps is computed in float32 and w is put back bit for bit
+    (subtracting eps again would round), and the norm's state is one plain step's."""
+    torch.manual_seed(0)
+    plain = Block(name).to(torch.bfloat16)
+    sharp = copy.deepcopy(plain)
+    sam = SharpnessAware(sharp, rho=0.5, only_norm=True)
+    x = make_sequence(1, shape=SHAPE)[0][0].to(torch.bfloat16)
+    loss_of(plain, x).backward()
+    start = copy.deepcopy(sharp.state_dict())
+    sam.new_update()
+    loss_of(sharp, x).backward()
+    moved = []
+    sam.perturbed_gradient(lambda: (moved.append(sharp.norm2.weight.detach().clone()),
+                                    loss_of(sharp, x).backward()))
+    assert not torch.equal(moved[0], start["norm2.weight"])  # the second pass was perturbed
+    for key, param in sharp.named_parameters():
+        assert torch.equal(param, start[key]), key
+    for key, value in plain.norm1.state_dict().items():
+        if key not in ("weight", "bias") and "bn_" not in key:
+            assert sharp.norm1.state_dict()[key].dtype == value.dtype, key
+            torch.testing.assert_close(sharp.norm1.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    assert all(b.dtype != torch.bfloat16 for k, b in sharp.norm1.named_buffers()
+               if b.is_floating_point()), "statistics are kept in float32"
+
+
+def _sam_replica(rank, port, path, norm):
+    """Replica ``rank`` of two (gloo): three SAM-ON updates of a DDP-wrapped Block on its
+    half of each batch; saves its state."""
+    import os
+
+    import torch.distributed as dist
+
+    from plugins.training import data_parallel
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = Block(norm)
+        net = data_parallel(model, torch.device("cpu"))  # the trainers' DDP
+        sam = SharpnessAware(model, rho=0.5, only_norm=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in make_sequence(3, shape=SHAPE)[0]:
+            sam_update(net, optimizer, sam, x.chunk(2)[rank])
+        torch.save(model.state_dict(), f"{path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("norm", ["ln", "un"])
+def test_sam_on_two_replicas_averages_both_passes_and_keeps_them_identical(norm, tmp_path):
+    """2 gloo replicas, each on half of every batch: DDP averages the gradients of both
+    passes, so the replicas' weights stay identical (the norms' statistics are per replica, as
+    the trainers' DDP keeps them); with norms that use no batch statistics (LN) the updates
+    equal one process's on the whole batch, and UN counts one step per update on each."""
+    import torch.multiprocessing as mp
+    from test_vision import free_port
+    mp.start_processes(_sam_replica, args=(free_port(), str(tmp_path / "state"), norm),
+                       nprocs=2, start_method="spawn")
+    states = [torch.load(tmp_path / f"state.{rank}") for rank in (0, 1)]
+    for key, _ in Block(norm).named_parameters():
+        assert torch.equal(states[0][key], states[1][key]), key
+    if norm == "un":
+        assert [int(state["norm1.num_iters"]) for state in states] == [3, 3]
+        return
+    torch.manual_seed(0)
+    whole = Block(norm)
+    sam = SharpnessAware(whole, rho=0.5, only_norm=True)
+    optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
+    for x in make_sequence(3, shape=SHAPE)[0]:
+        sam_update(whole, optimizer, sam, x)  # the halves' mean losses average to the whole's
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(states[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_norm_only_training_freezes_everything_else_at_its_initialisation():
     torch.manual_seed(0)
     model = Block("bn")

@@ -213,6 +213,42 @@ def test_cells_test_against_ln_and_show_chance_apart(tmp_path):
     assert "1 comparison in this table" in markdown
 
 
+def test_training_through_the_norms_has_its_table_tested_against_base(tmp_path):
+    """SAM and norm-only runs fill their own table, each cell tested against the same norm
+    with the recipe's optimizer, and count in no method table; the cost table reads the
+    benchmark's ratios."""
+    from scipy import stats
+    runs = tmp_path / "runs"
+    base, sam_on = [80.0, 81.0, 82.0], [84.0, 85.5, 85.0]
+    for seed, (b, s) in enumerate(zip(base, sam_on)):
+        write_run(runs, f"ln{seed}", norm="ln", metrics={"top1": b}, seed=seed)
+        write_run(runs, f"ln_sam_on{seed}", norm="ln", overrides=["sam=sam_on"],
+                  metrics={"top1": s}, seed=seed)
+    write_run(runs, "ln_only", norm="ln", overrides=["train_only=norm"], status="chance",
+              metrics={"top1": 10.0})
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "sam_cpu.json").write_text(json.dumps({
+        "device": "cpu", "rounds": 3, "spread": "interval", "results": [
+            {"model": "swin_t", "norm": "ln", "variant": variant,
+             "vs_base": {"median": ratio, "lo": ratio - 0.1, "hi": ratio + 0.1}}
+            for variant, ratio in (("base", 1.0), ("sam_on", 2.05))]}))
+    subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs), "--out",
+                    str(tmp_path / "out"), "--benchmarks", str(bench)], cwd=ROOT, check=True,
+                   capture_output=True)
+    markdown = (tmp_path / "out" / "tables.md").read_text()
+    title = "Training through the norms: swin_t imagenet, top1"
+    header = markdown.split(f"## {title}")[1].splitlines()[2]
+    assert header == "| norm | base | SAM-ON | norm only |"
+    p = stats.ttest_ind(sam_on, base, equal_var=False).pvalue
+    assert p < 0.05  # and the only test: Holm's correction leaves it, hence **
+    assert table_row(markdown, title, "LN")[1:] == [
+        "81.0 ± 1.0 (n=3)", f"84.8 ± 0.8 (n=3); vs base +3.8 (p={p:.2g})**", "chance 1/1"]
+    assert table_row(markdown, "Table 2", "LN")[1].endswith("/ 81.0 ± 1.0 (n=3)")  # base only
+    assert table_row(markdown, "Training through the norms: cost", "swin_t")[1:] == [
+        "LN", "1.00 [0.90, 1.10]", "2.05 [1.95, 2.15]"]
+
+
 def test_holm_adjustment_against_hand_computed_values():
     from analysis.significance import holm
     # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, max(0.03, 2 x 0.03), max(0.06, 1 x 0.04)
