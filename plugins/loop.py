@@ -25,7 +25,7 @@ from tqdm import tqdm
 import unnorm
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
                             metrics_row, record_collapse, rejected_steps, run_logger)
-from plugins.sam import SharpnessAware
+from plugins.sam import SharpnessAware, configured, trained_parameters
 from plugins.training import (Checkpointer, Distributed, backward, optimizer_step, save_gns,
                               save_statistics)
 
@@ -199,26 +199,15 @@ class EpochLoop:
 
     def _trainable(self) -> dict:
         """What the run trains: its trainable parameter count, and SAM's perturbed set."""
-        record = {"trainable_parameters": sum(p.numel() for p in self.model.parameters()
-                                              if p.requires_grad)}
-        if self.sam is not None:
-            record["sam_perturbed_parameters"] = self.sam.size()[0]
-        return record
+        return trained_parameters(self.model, self.sam)
 
 
 def sharpness_aware(cfg: DictConfig, model: nn.Module, world: Distributed) -> Optional[SharpnessAware]:
     """The run's SAM (``sam=sam|sam_on|asam|asam_on``), or None (``sam=none``)."""
     chosen = cfg.get("sam")
-    if chosen is None or chosen.name == "none":
-        return None
-    options = OmegaConf.to_container(chosen, resolve=True)
-    options.pop("name")
-    sam = SharpnessAware(model, **options)
-    if world.main:
-        count, share = sam.size()
-        print(f"SAM ({'only the norms' if sam.only_norm else 'every parameter'}) perturbs "
-              f"{count} parameters, {100 * share:.2f}% of the trainable ones")
-    return sam
+    if chosen is not None:
+        chosen = OmegaConf.to_container(chosen, resolve=True)
+    return configured(chosen, model, announce=world.main)
 
 
 def _total(losses: Losses) -> torch.Tensor:

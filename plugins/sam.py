@@ -24,7 +24,7 @@ facebookresearch/open_lth): every other parameter stays at its initialisation.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -154,17 +154,33 @@ class SharpnessAware:
         self.ascend()
         for param in self.trainable:
             param.grad = None
-        with self.second_pass():
-            forward_backward()
-        self.restore()
+        try:  # w comes back also when the second pass fails (fairseq recovers from an OOM)
+            with self.second_pass():
+                forward_backward()
+        finally:
+            self.restore()
 
 
-def refuse_in(framework: str, cfg) -> None:
-    """Frameworks that train in their own loops (fairseq, mmdetection) do not take SAM or
-    norm-only training yet: refused by name rather than ignored."""
-    sam = (cfg.get("sam") or {}).get("name", "none")
-    if sam != "none" or cfg.get("train_only", "all") != "all":
-        raise ValueError(f"sam={sam} train_only={cfg.get('train_only')}: {framework} trains in "
-                         "its own loop, which does not take SAM or norm-only training yet; use "
-                         "sam=none train_only=all there (classification, torchvision detection "
-                         "and language modelling take both)")
+def configured(chosen: Optional[Mapping], model: nn.Module,
+               announce: bool = True) -> Optional[SharpnessAware]:
+    """The SAM a run's ``sam`` entry (``configs/sam/*.yaml``: its ``name`` and options) asks
+    for on ``model`` (already frozen by ``freeze_except``), or None (``sam=none``); prints the
+    perturbed set's size and share when ``announce`` (the main process)."""
+    if chosen is None or chosen.get("name", "none") == "none":
+        return None
+    options = {key: value for key, value in dict(chosen).items() if key != "name"}
+    sam = SharpnessAware(model, **options)
+    if announce:
+        count, share = sam.size()
+        print(f"SAM ({'only the norms' if sam.only_norm else 'every parameter'}) perturbs "
+              f"{count} parameters, {100 * share:.2f}% of the trainable ones")
+    return sam
+
+
+def trained_parameters(model: nn.Module, sam: Optional[SharpnessAware]) -> dict:
+    """What a run trains, for its ``result.json``: ``trainable_parameters``, and
+    ``sam_perturbed_parameters`` with SAM."""
+    record = {"trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    if sam is not None:
+        record["sam_perturbed_parameters"] = sam.size()[0]
+    return record

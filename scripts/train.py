@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # plugins/ from a plain checkout
 
 from plugins.runlog import RESULT_FILE, run_folder_suffix  # noqa: E402
-from plugins.sam import refuse_in  # noqa: E402
 
 SUFFIX = run_folder_suffix()  # once: Hydra may resolve hydra.run.dir more than once
 OmegaConf.register_new_resolver("run_suffix", lambda: SUFFIX)
@@ -29,14 +28,12 @@ def main(cfg: DictConfig) -> float:
         metric = "top1"
     elif cfg.task == "translation":
         from plugins.fairseq.launcher import CHECKPOINT, train
-        refuse_in("fairseq", cfg)
         metric = "bleu"
     elif cfg.task == "detection" and cfg.model.backend == "torchvision":
         from plugins.torchvision.trainer import CHECKPOINT, train
         metric = "bbox_AP"
     elif cfg.task == "detection" and cfg.model.backend == "mmdet":
         from plugins.mmdet.runner import CHECKPOINT, train
-        refuse_in("mmdetection", cfg)
         metric = "bbox_AP"
     elif cfg.task == "language_modelling":
         from plugins.lm.trainer import CHECKPOINT, train

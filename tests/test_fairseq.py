@@ -24,7 +24,7 @@ from analysis.gns import run_gns
 from plugins.checkpoints import UnsafeCheckpoint
 from plugins.fairseq import launcher, synthetic
 from plugins.fairseq.data import binarised_files, prepare
-from plugins.fairseq.flags import NOT_IN_FAIRSEQ, OPTIONS, norm_flags
+from plugins.fairseq.flags import NOT_IN_FAIRSEQ, OPTIONS, norm_flags, read_trained, trained_line
 from plugins.norms import norm_kwargs
 from plugins.runlog import FINISHED
 from plugins.scale import effective_config
@@ -619,3 +619,135 @@ def test_iwslt14_preparation_script(fairseq_env, tmp_path):
     assert all(line == line.lower() for line in train) and train[1].endswith(" .")
     test = (out / "tok" / "test.de").read_text().splitlines()
     assert len(test) == 50 and "it &apos; s &amp; amp ;" in test[0]  # Moses' splitting and escaping
+
+
+# ---- training through the norms: sam= and train_only= (tests/fairseq_sam_checks.py) ---------
+
+NORMS = 2 * 2 + 2 * 3 + 2  # the tiny model's norms: 2 per encoder layer, 3 per decoder layer, 2 final
+WIDTH = 64
+
+
+def test_sam_and_train_only_reach_fairseq_as_flags(tmp_path):
+    """Each sam= entry becomes --sam true and a flag per option, train_only= --train-only;
+    the defaults add nothing. What the trainer prints of what it trains is read back."""
+    def command(*overrides):
+        cfg, device, _ = launcher.run_config(config("+exp=iwslt14_un", "scale=cpu", "device=cpu", *overrides))
+        return " ".join(launcher.train_command(cfg, _Env(), tmp_path, tmp_path / "checkpoints", device))
+
+    plain = command()
+    assert "--sam" not in plain and "--train-only" not in plain
+    assert "--sam true --sam-rho 0.5 --sam-adaptive false --sam-only-norm true --train-only norm " in \
+        command("sam=sam_on", "train_only=norm")
+    assert ("--sam true --sam-rho 10.0 --sam-adaptive true --sam-elementwise true --sam-eta 0.0 "
+            "--sam-normalize-bias true --sam-only-norm true") in command("sam=asam_on")
+    assert "--sam true --sam-rho 0.2 --sam-adaptive false --sam-only-norm false" in command("sam=sam", "sam.rho=0.2")
+    assert "--train-only norm+head" in command("train_only=norm+head", "recipe.train.share_all_embeddings=false")
+    record = {"trainable_parameters": 5, "sam_perturbed_parameters": 2}
+    log = f"x\n2026 | INFO | {trained_line({'trainable_parameters': 9})}\n{trained_line(record)}\nend\n"
+    assert read_trained(log) == record and read_trained("no record") == {}
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (["sam=sam_on", "recipe.train.update_freq=2"],
+     "sam with update_freq 2 (2 micro-batches per update) is not defined here: SAM's ascent needs "
+     "the whole update's gradient before its second pass. Use one micro-batch per update "
+     "(recipe.train.update_freq=1"),
+    (["train_only=norm+head"], "train_only=norm+head: share_all_embeddings ties the output "
+     "projection (the head) to the embeddings, so training it would train the input embeddings "
+     "too; untie it (recipe.train.share_all_embeddings=false) or use train_only=norm"),
+])
+def test_what_translation_cannot_train_through_the_norms_is_refused(overrides, fix, gpus, tmp_path,
+                                                                   monkeypatch):
+    """Before anything runs (no fairseq environment needed), naming the fix; WMT14's recipe on
+    one GPU (128 micro-batches per update) with SAM likewise."""
+    gpus(0)
+    monkeypatch.setenv("UNNORM_FAIRSEQ_ENV", str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        launcher.train(config("+exp=iwslt14_un", "scale=cpu", *overrides), tmp_path / "run", overrides)
+    assert not (tmp_path / "run").exists()
+    gpus(1)
+    with pytest.raises(ValueError, match=re.escape("sam with update_freq 128")):
+        launcher.run_config(config("+exp=wmt14_un", "sam=sam"))
+
+
+def test_a_sam_update_is_sam_on_written_out(synthetic_data):
+    """One SAM-ON update of the trainer (UN, SGD) is w - lr g(w + eps) / tokens with eps =
+    rho g / ||g|| over the norms' affine, to float32 rounding, and not the plain update; the
+    norms' state after it is bitwise the first pass's alone; 3 updates advance UN's step
+    counter 3 times, not 6. A second pass that runs out of memory (fairseq drops the update
+    and goes on) leaves the weights, perturbed when it failed, and the norms as they were."""
+    summary = fairseq_python("tests/fairseq_sam_checks.py", "update", str(synthetic_data))
+    assert summary["perturbed"] and summary["updates"] == 1, summary
+    assert summary["vs_sam"] < 1e-5 and summary["vs_plain"] > 1e-2, summary
+    assert summary["norm_state_as_first_pass"] and summary["norm_state_buffers"] > 0, summary
+    assert summary["updates_after"] == 3 and summary["num_iters"] == [3], summary
+    oom = summary["oom"]
+    assert summary["oom_returned"] is None and oom["forwards"] == 2 and oom["updates"] == 3, summary
+    assert oom["weights_unchanged"] and oom["norms_unchanged"], summary
+
+
+def test_what_each_setting_trains_and_what_is_refused_in_fairseq(synthetic_data):
+    """The perturbed and trainable sets, and what fairseq's optimizer holds: SAM every
+    parameter, SAM-ON the norms' affine (12 norms of width 64, as norm_parameters finds them),
+    train_only=norm the norms alone, norm+head (untied) the norms and the output projection.
+    Refused by the trainer: SAM with --update-freq 2, norm+head with a tied head, and the
+    flags where plugins.fairseq.train does not apply them (fairseq-train)."""
+    summary = fairseq_python("tests/fairseq_sam_checks.py", "refusals", str(synthetic_data))
+    norms = NORMS * 2 * WIDTH
+    for name in ("sam", "sam_on", "norm", "norm+head"):
+        assert summary[name]["norms"] == summary[name]["affine"] == norms, summary[name]
+    assert summary["sam"]["perturbed"] == summary["sam"]["trainable"] == summary["sam"]["all"]
+    assert summary["sam_on"]["perturbed"] == norms and summary["sam_on"]["trainable"] == summary["sam_on"]["all"]
+    assert summary["norm"]["trainable"] == summary["norm"]["optimized"] == norms and summary["norm"]["perturbed"] is None
+    head = summary["norm+head"]
+    assert head["trainable"] == head["optimized"] == norms + head["head"] and head["perturbed"] == norms
+    assert summary["update_freq_2"].startswith("--sam with --update-freq 2 (2 micro-batches per update)")
+    assert "--update-freq 1" in summary["update_freq_2"]
+    assert summary["tied_head"].startswith("--train-only norm+head: the output projection (the head) is tied")
+    assert "recipe.train.share_all_embeddings=false" in summary["tied_head"]
+    assert "train with `python -m plugins.fairseq.train`" in summary["fairseq_train"]
+
+
+def test_sam_under_fp16_steps_the_master_weights_and_skips_an_overflow_whole(synthetic_data):
+    """--fp16 (FP16Optimizer, half-precision model): a SAM-ON update moves fairseq's float32
+    master weights by SAM-ON's update (to fp16's rounding of the gradients, 30x closer than
+    to the plain update). An update whose head gradient overflows, under SAM-ON and SAM,
+    is skipped with the weights (half and master) and every norm's buffers as they were;
+    the next update is taken; UN counts one step per update taken."""
+    summary = fairseq_python("tests/fairseq_sam_checks.py", "fp16", str(synthetic_data))
+    step = summary["step"]
+    assert step["updates"] == 1 and step["vs_sam"] < 2e-2 and step["vs_plain"] > 5 * 2e-2, step
+    for name in ("sam_on", "sam"):
+        result = summary[name]
+        assert result["half"] == "torch.float16" and result["updates"] == 2 and result["scale"] == [64, 32], result
+        assert result["weights_unchanged"] and result["master_unchanged"] and result["norms_unchanged"], result
+        assert result["num_iters"] == [2] and result["updates_then"] == 3 and result["num_iters_then"] == [3], result
+        assert result["finite"], result
+
+
+@pytest.mark.slow
+def test_a_translation_run_with_sam_on_trains_only_the_norms(synthetic_data, tmp_path):
+    """python scripts/train.py +exp=iwslt14_un sam=sam_on train_only=norm scale=cpu, one epoch
+    (42 updates; greedy translations of 4 tokens at most: the model learns little): it trains
+    and records what it trained (the norms' parameters, as norm_parameters counts them on the
+    run's model, both trainable and perturbed); every other parameter of the last checkpoint
+    is bitwise its initialisation (the model the training command builds from its seed) and
+    every norm parameter moved; UN counted one step per update."""
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "sam=sam_on", "train_only=norm",
+         "scale=cpu", "device=cpu", "logger=none", "recipe.cpu.train.max_epoch=1",
+         "recipe.cpu.average_last=1", "recipe.generate.beam=1", "+recipe.generate.max_len_a=0",
+         "+recipe.generate.max_len_b=4", f"hydra.run.dir={run}"],
+        cwd=ROOT, capture_output=True, text=True, env=script_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] in FINISHED and result["steps"] == 42, result
+    log = (run / "train.log").read_text()
+    assert "SAM (only the norms) perturbs 1536 parameters, 100.00% of the trainable ones" in log
+    checked = fairseq_python("tests/fairseq_sam_checks.py", "run", str(run))
+    assert checked["norm_parameters"] == NORMS * 2 * WIDTH and checked["norms"] == NORMS * 2
+    assert result["trainable_parameters"] == result["sam_perturbed_parameters"] == checked["norm_parameters"]
+    assert checked["others_unchanged"] and checked["others"] > 0, checked
+    assert checked["norms_changed"], checked
+    assert checked["num_iters"] == [42], checked

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import unnorm
-from plugins.sam import SharpnessAware, freeze_except, norm_parameters, refuse_in
+from plugins.sam import SharpnessAware, freeze_except, norm_parameters
 from test_lm import TINY_MODEL, TINY_RECIPE, config, corpus_root  # noqa: F401 (a fixture)
 from test_norms import STATEFUL, make_sequence
 
@@ -285,9 +285,6 @@ def test_bad_sam_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="no trainable norm parameters"):
         SharpnessAware(nn.Sequential(nn.Linear(C, C), unnorm.build_norm("nonorm", C)), rho=0.5,
                        only_norm=True)
-    from omegaconf import OmegaConf
-    with pytest.raises(ValueError, match="fairseq trains in its own loop"):
-        refuse_in("fairseq", OmegaConf.create({"sam": {"name": "sam"}, "train_only": "all"}))
 
 
 def test_the_loop_trains_with_sam_on_and_records_what_it_trained(corpus_root, tmp_path):  # noqa: F811

@@ -1,11 +1,21 @@
-"""fairseq flags for the options of ``unnorm``'s norms, shared by the model plugin (fairseq's
-Python 3.10 environment) and the launcher (the main one); it imports neither framework.
+"""fairseq flags for the options of ``unnorm``'s norms and for training through them, shared
+by the model plugin and ``plugins.fairseq.train`` (fairseq's Python 3.10 environment) and the
+launcher (the main one); it imports neither framework.
 
 Every option of ``unnorm.build_norm`` has one flag, named as in the UN release
 (``--un-win``/``--un-warmup`` there): ``--un-window``, ``--un-warmup``, ``--un-momentum``, ...
 A flag left unset gives the norm its own default.
+
+``sam=`` (``configs/sam/*.yaml``) is ``--sam true`` and a flag per option of
+``plugins.sam.SharpnessAware`` (``--sam-rho``, ``--sam-only-norm``, ...); ``train_only=`` is
+``--train-only``. ``plugins.fairseq.train`` applies them and prints what it trains as one
+``TRAINED`` line of its log, which the launcher reads into ``result.json``.
 """
 from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping, Optional
 
 
 def boolean(text: str) -> bool:
@@ -53,6 +63,11 @@ NOT_IN_FAIRSEQ = {"causal": "the causal option of BN/PRepBN needs batch-first (B
                               "which translation does not offer"}
 
 
+def _flag_value(value: Any) -> str:
+    """How a flag's value is written (booleans as ``true``/``false``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def dest(option: str) -> str:
     """The attribute argparse stores ``option``'s flag under (``un_window``)."""
     return OPTIONS[option][0][2:].replace("-", "_")
@@ -69,5 +84,65 @@ def norm_flags(name: str, options: dict) -> list[str]:
     flags = ["--norm-type", name]
     for option, value in options.items():
         if value is not None and option not in NOT_IN_FAIRSEQ:
-            flags += [OPTIONS[option][0], str(value).lower() if isinstance(value, bool) else str(value)]
+            flags += [OPTIONS[option][0], _flag_value(value)]
     return flags
+
+
+#: ``plugins.sam.SharpnessAware``'s options (``configs/sam/*.yaml`` but ``name``) -> (flag,
+#: argparse type); an unset one takes SharpnessAware's default
+SAM_OPTIONS = {
+    "rho": ("--sam-rho", float),
+    "adaptive": ("--sam-adaptive", boolean),
+    "elementwise": ("--sam-elementwise", boolean),
+    "only_norm": ("--sam-only-norm", boolean),
+    "eta": ("--sam-eta", float),
+    "normalize_bias": ("--sam-normalize-bias", boolean),
+}
+
+
+def sam_flags(chosen: Optional[Mapping]) -> list[str]:
+    """``sam=``'s entry as flags: ``--sam true --sam-rho 0.5 --sam-only-norm true ...``;
+    none for ``sam=none``."""
+    if not chosen or chosen.get("name", "none") == "none":
+        return []
+    unknown = sorted(set(chosen) - set(SAM_OPTIONS) - {"name"})
+    if unknown:
+        raise ValueError(f"no fairseq flag for sam option(s) {', '.join(unknown)}")
+    flags = ["--sam", "true"]
+    for option, value in chosen.items():
+        if option != "name" and value is not None:
+            flags += [SAM_OPTIONS[option][0], _flag_value(value)]
+    return flags
+
+
+def sam_entry(args) -> Optional[dict]:
+    """The ``sam`` entry (``name`` and the options that are set) the parsed flags ask for,
+    as ``plugins.sam.configured`` takes it; None without ``--sam true``."""
+    if not getattr(args, "sam", False):
+        return None
+    options = {option: getattr(args, flag[2:].replace("-", "_"), None)
+               for option, (flag, _) in SAM_OPTIONS.items()}
+    if options["rho"] is None:
+        raise ValueError("--sam true needs --sam-rho (the radius of the perturbation; "
+                         "configs/sam/*.yaml give the recipes' values)")
+    return {"name": "sam", **{key: value for key, value in options.items() if value is not None}}
+
+
+def train_only_flags(train_only: str) -> list[str]:
+    """``--train-only norm|norm+head``; none for ``all``."""
+    return [] if train_only == "all" else ["--train-only", train_only]
+
+
+#: what plugins.fairseq.train prints of what it trains (``plugins.sam.trained_parameters``)
+TRAINED = "unnorm trained parameters: "
+_TRAINED_LINE = re.compile(re.escape(TRAINED) + r"(\{.*\})\s*$", re.MULTILINE)
+
+
+def trained_line(record: dict) -> str:
+    return TRAINED + json.dumps(record, sort_keys=True)
+
+
+def read_trained(log: str) -> dict:
+    """The last ``TRAINED`` record of a training log (empty when it has none)."""
+    found = _TRAINED_LINE.findall(log)
+    return json.loads(found[-1]) if found else {}

@@ -29,6 +29,12 @@ Settings of ``configs/train.yaml``, as translation takes them:
   ``<run>/gns/epoch_XXXX.pt`` as the other tasks do (``plugins.fairseq.train``); fairseq
   batches by tokens, so an epoch's ``batch_size`` there is its mean sentences per micro-batch,
   and the updates fairseq skips (overflows) are left out.
+* ``sam=sam|sam_on|asam|asam_on`` and ``train_only=norm|norm+head`` train through the norms
+  as the other tasks do (``plugins.sam``, applied by ``plugins.fairseq.train``: ``--sam true
+  --sam-rho ...``, ``--train-only``); ``result.json`` records ``trainable_parameters`` (every
+  run) and ``sam_perturbed_parameters``. SAM with more than one micro-batch per update, and
+  ``norm+head`` with the output projection tied to the embeddings (the recipes'
+  ``share_all_embeddings``), are refused, naming the fix.
 * Checkpoints given from outside (``init_from``, the ``resume`` directory's) are read without
   running their pickle (``plugins.fairseq.checkpoints``) before fairseq loads them;
   ``trust_checkpoint=true`` is the opt-in for files that need more.
@@ -56,7 +62,7 @@ from plugins.training import check_amp
 
 from .checkpoints import REFUSALS
 from .data import prepare
-from .flags import norm_flags
+from .flags import norm_flags, read_trained, sam_flags, train_only_flags
 
 REPO = Path(__file__).resolve().parents[2]
 USER_DIR = Path(__file__).resolve().parent / "unnorm_fairseq"
@@ -180,6 +186,31 @@ def fit_update_freq(cfg: DictConfig, given: DictConfig, overrides: Sequence[str]
     return cfg
 
 
+#: fairseq's flags that make the output projection (train_only=norm+head's head) an embedding
+TIED_HEAD_FLAGS = ("share_all_embeddings", "share_decoder_input_output_embed")
+
+
+def check_training_through_norms(cfg: DictConfig) -> None:
+    """Refuse, naming the fix, SAM over an update of several micro-batches, and norm+head
+    where the head is the embeddings (``update_freq`` as the GPUs make it)."""
+    sam = (cfg.get("sam") or {}).get("name", "none")
+    micro_batches = max(int(value) for value in str(cfg.recipe.train.update_freq).split(","))
+    if sam != "none" and micro_batches > 1:
+        raise ValueError(f"sam with update_freq {micro_batches} ({micro_batches} micro-batches per "
+                         "update) is not defined here: SAM's ascent needs the whole update's "
+                         "gradient before its second pass. Use one micro-batch per update "
+                         "(recipe.train.update_freq=1; more tokens per batch with "
+                         "recipe.train.max_tokens, memory allowing), or sam=none")
+    flags = {**_container(cfg.recipe.train), **_container(cfg.model.args)}
+    tied = [flag for flag in TIED_HEAD_FLAGS if flags.get(flag)]
+    if cfg.train_only == "norm+head" and tied:
+        raise ValueError(f"train_only=norm+head: {' and '.join(tied)} ties the output projection "
+                         "(the head) to the embeddings, so training it would train the input "
+                         "embeddings too; untie it (" + ", ".join(
+                             f"{'recipe.train' if flag in cfg.recipe.train else 'model.args'}.{flag}=false"
+                             for flag in tied) + ") or use train_only=norm")
+
+
 def run_length(cfg: DictConfig) -> int:
     """The run's length in norm steps (micro-batches): updates x micro-batches per update
     (0 when the recipe sets no ``max_update``)."""
@@ -229,6 +260,7 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
     command += ["--norm-pad-mask", str(bool(cfg.model.norm_pad_mask)).lower()]
     if cfg.record_gns:  # into the run directory, whose checkpoints/ fairseq saves to
         command += ["--record-gns", str(save_dir.parent)]
+    command += sam_flags(_container(cfg.get("sam"))) + train_only_flags(cfg.train_only)
     train = _container(cfg.recipe.train)
     train["lr"] = train["lr"] * cfg.lr_multiple
     command += fairseq_flags(_container(cfg.model.args)) + fairseq_flags(train)
@@ -355,6 +387,7 @@ def run_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[DictConf
     check_precision(cfg, device)
     world = replicas(cfg, device)
     cfg = fit_update_freq(cfg, given, overrides, world)
+    check_training_through_norms(cfg)
     return fit_norm_to_run(cfg, run_length(cfg)), device, world
 
 
@@ -399,7 +432,7 @@ def _train(cfg: DictConfig, out_dir: Path, meta: dict, device: str, world: int) 
         update = run_training(command, env, run, detector, logger)
     except TrainingCollapsed as collapse:
         return record_collapse(run, collapse, {"train_loss": detector.last_loss},
-                               {**meta, **norm_rejections(env, run, trusted)})
+                               {**meta, **trained(run), **norm_rejections(env, run, trusted)})
     finally:
         logger.finish()
     last = _last_records(run)
@@ -413,7 +446,15 @@ def _train(cfg: DictConfig, out_dir: Path, meta: dict, device: str, world: int) 
     print(f"{cfg.exp_name}: BLEU {metrics['bleu']:.2f} (tokenised {metrics['bleu_tokenized']:.2f}) "
           f"after {steps} updates")
     return run.write_result(status="ok", metrics=metrics,
-                            meta={**meta, "steps": steps, **norm_rejections(env, run, trusted)})
+                            meta={**meta, "steps": steps, **trained(run),
+                                  **norm_rejections(env, run, trusted)})
+
+
+def trained(run: RunDirectory) -> dict:
+    """What the run trains, as ``plugins.fairseq.train`` printed it last (``trainable_parameters``,
+    ``sam_perturbed_parameters`` with SAM)."""
+    log = run.path / "train.log"
+    return read_trained(log.read_text()) if log.exists() else {}
 
 
 def checkpoint_tool(env: FairseqEnv, action: str, option: str, *paths: str, trusted: bool = False,

@@ -17,9 +17,34 @@ per-example gradient norms (``unnorm.gns``; a sentence is an example, and fairse
 backpropagate the sum of their losses) and writes each epoch's, as the other tasks' training
 loop does (``plugins.training.save_gns``), to ``RUN_DIR/gns/epoch_XXXX.pt`` (rank 0): at the
 start of the next epoch, and after training for the last one (also when it failed).
+
+Training through the norms (the model's flags, ``plugins.fairseq.flags``), as the other tasks'
+shared loop does it, with ``plugins.sam``:
+
+* ``--train-only norm|norm+head`` freezes every other parameter (``plugins.sam.freeze_except``)
+  before fairseq builds its optimizer, which takes the trainable ones only. The head is the
+  decoder's output projection; where it is tied to an embedding (``--share-all-embeddings``,
+  ``--share-decoder-input-output-embed``) ``norm+head`` is refused, naming the fix, rather
+  than train the input embeddings too.
+* ``--sam true`` (``--sam-rho``, ``--sam-only-norm``, ...: ``plugins.sam.SharpnessAware``)
+  makes each update fairseq's forward and backward of its sample, then the second pass on the
+  same sample at the perturbed weights (``SharpnessAware.perturbed_gradient``, which also keeps
+  the norms' running state to one advance per update), then fairseq's clipping and optimizer
+  step, which take the second pass's gradient. Both passes sit inside the update's
+  ``LossScaleGuard``: a skipped update (an overflow in either pass under ``--fp16``) leaves the
+  weights and every norm as they were. Under ``--fp16`` the perturbation moves the half-
+  precision weights the forward uses (fairseq's float32 master copy is not touched, and the
+  step reads the second pass's gradient when fairseq copies it there). More than one
+  micro-batch per update (``--update-freq``) is refused: the ascent needs the whole update's
+  gradient first.
+
+The trainer prints the perturbed set's size and share, and what it trains as one
+``plugins.fairseq.flags.TRAINED`` line, which the launcher records in ``result.json``
+(``trainable_parameters``, ``sam_perturbed_parameters``).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +55,9 @@ from fairseq.trainer import Trainer
 from fairseq_cli import train as fairseq_train
 
 import unnorm
+from plugins.fairseq.flags import sam_entry, trained_line
 from plugins.runlog import RunDirectory
+from plugins.sam import configured, freeze_except, trained_parameters
 from plugins.training import save_gns
 
 FLUSH_EVERY = 100  # updates between moving the GNS records off the device
@@ -86,9 +113,29 @@ class EpochGNS:
             "accumulate": self.update_freq[min(self.epoch, len(self.update_freq)) - 1]})
 
 
+def output_projection(model):
+    """The head of ``--train-only norm+head``: the decoder's output projection, refused where
+    it is an embedding's weight too (training it would train the input embeddings)."""
+    decoder = getattr(model, "decoder", None)
+    head = getattr(decoder, "output_projection", None)
+    if head is None:
+        raise ValueError("--train-only norm+head: the decoder has no output projection (an "
+                         "adaptive softmax?) to train as the head; use --train-only norm")
+    embeddings = [module.weight for module in (getattr(getattr(model, "encoder", None), "embed_tokens", None),
+                                               getattr(decoder, "embed_tokens", None))
+                  if module is not None]
+    if any(head.weight is weight for weight in embeddings):
+        raise ValueError("--train-only norm+head: the output projection (the head) is tied to an "
+                         "embedding (--share-all-embeddings or --share-decoder-input-output-embed), "
+                         "so training it would train the input embeddings too; drop those flags "
+                         "(recipe.train.share_all_embeddings=false) or use --train-only norm")
+    return head
+
+
 class GuardedTrainer(Trainer):
-    """fairseq's ``Trainer`` with every update inside an ``unnorm.LossScaleGuard``, and the
-    norms' per-example gradient norms recorded per epoch with ``--record-gns``."""
+    """fairseq's ``Trainer`` with every update inside an ``unnorm.LossScaleGuard``, the
+    norms' per-example gradient norms recorded per epoch with ``--record-gns``, and the
+    model's ``--train-only`` and ``--sam`` applied."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         super().__init__(cfg, task, model, criterion, quantizer)
@@ -99,7 +146,43 @@ class GuardedTrainer(Trainer):
         self.gns = EpochGNS(self.get_model(), run_dir, cfg.optimization.update_freq,
                             self.data_parallel_world_size,
                             self.is_data_parallel_master) if run_dir else None
-        self._updating = False
+        self._updating = self._second_pass_due = False
+        self.sam = self._train_through_the_norms(cfg, self.get_model())
+
+    def _train_through_the_norms(self, cfg, model):
+        """``--train-only``'s freeze (fairseq builds its optimizer, of the trainable
+        parameters, on first use: later), and ``--sam``'s ``SharpnessAware`` (or None), whose
+        second pass follows the first forward and backward of each update (``_forward_backward``
+        in place of the task's ``train_step``). Prints what trains (rank 0)."""
+        train_only = getattr(cfg.model, "train_only", "all") or "all"
+        freeze_except(model, train_only, output_projection(model) if train_only == "norm+head" else None)
+        entry = sam_entry(cfg.model)
+        micro_batches = max(cfg.optimization.update_freq)
+        if entry is not None and micro_batches > 1:
+            raise ValueError(f"--sam with --update-freq {micro_batches} ({micro_batches} micro-batches "
+                             "per update) is not defined here: SAM's ascent needs the whole update's "
+                             "gradient before its second pass. Use one micro-batch per update "
+                             "(recipe.train.update_freq=1, --update-freq 1; more tokens per batch "
+                             "with max_tokens, memory allowing), or sam=none")
+        sam = configured(entry, model, announce=self.is_data_parallel_master)
+        if sam is not None:
+            self._task_train_step = self.task.train_step
+            self.task.train_step = self._forward_backward
+        model.trainer_applies = True
+        if self.is_data_parallel_master:  # on stderr, which the launcher logs with stdout
+            print(trained_line(trained_parameters(model, sam)), file=sys.stderr, flush=True)
+        return sam
+
+    def _forward_backward(self, *args, **kwargs):
+        """The task's ``train_step`` (one forward and backward of a sample) under SAM: the
+        update's first is followed by the second pass, on the same sample at the perturbed
+        weights; fairseq's optimizer then steps with its gradient. Returns the first pass's
+        loss and logging outputs (fairseq's NaN detector reruns the step without SAM)."""
+        outputs = self._task_train_step(*args, **kwargs)
+        if self._second_pass_due:
+            self._second_pass_due = False
+            self.sam.perturbed_gradient(lambda: self._task_train_step(*args, **kwargs))
+        return outputs
 
     def begin_epoch(self, epoch):
         """Also saves the previous epoch's GNS records (fairseq calls this before each epoch's
@@ -114,12 +197,15 @@ class GuardedTrainer(Trainer):
             self.gns.save()
 
     def train_step(self, samples, raise_oom=False):
-        """One update; the norms' state is restored, and its GNS records dropped, if fairseq
-        takes none. fairseq retries an overflowed ``--amp`` update by calling ``train_step``
-        again from within: the attempt in progress was skipped."""
+        """One update (with ``--sam``: both passes); the norms' state is restored, and its GNS
+        records dropped, if fairseq takes none. fairseq retries an overflowed ``--amp`` update
+        by calling ``train_step`` again from within: the attempt in progress was skipped."""
         if self._updating:
             self._end_update(True)
         self.guard.begin_update(loss_scale(self.optimizer))
+        if self.sam is not None:
+            self.sam.new_update()
+            self._second_pass_due = True
         self._updating = True
         updates = self.get_num_updates()
         try:

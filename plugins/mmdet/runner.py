@@ -23,6 +23,12 @@ Conventions shared with the other trainers:
   is GPU-only); ``recipe.opt`` is timm's optimizer of that name, as in the torchvision
   backend; ``scale.max_steps_per_epoch`` caps the batches of an epoch; ``logger`` as
   everywhere (``plugins.logger``).
+- Training through the norms (``sam=sam|sam_on|asam|asam_on``, ``train_only=norm|norm+head``,
+  ``plugins.sam``): the runner freezes the model (``freeze_except``; the head of
+  ``norm+head`` is the ROI heads, ``roi_head``, as in the torchvision backend) before DDP
+  and the optimizer see it, and SAM replaces the model's ``train_step`` with
+  ``SharpnessAwareStep``; ``result.json`` records ``trainable_parameters`` (and
+  ``sam_perturbed_parameters``). SAM with ``accumulative_counts`` > 1 is refused.
 - Checkpoints load with ``weights_only=True`` (``plugins.checkpoints``); mmengine's logged
   values (``HistoryBuffer``s, whose pickle calls ``getattr``) are saved as plain lists and
   rebuilt on resume. ``trust_checkpoint=true`` lifts that for files you trust (an mmengine
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Sequence
@@ -42,7 +49,7 @@ from mmdet.datasets.samplers import AspectRatioBatchSampler
 from mmdet.registry import DATA_SAMPLERS
 from mmengine.config import Config
 from mmengine.hooks import Hook
-from mmengine.logging import HistoryBuffer
+from mmengine.logging import HistoryBuffer, MMLogger
 from mmengine.model import MMDistributedDataParallel, is_model_wrapper
 from mmengine.registry import OPTIMIZERS
 from mmengine.runner import Runner
@@ -55,6 +62,7 @@ from plugins.checkpoints import load_checkpoint
 from plugins.norms import norm_kwargs
 from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
                             record_collapse, rejected_steps, run_logger, run_meta, save_atomic)
+from plugins.sam import SharpnessAware, configured, freeze_except, trained_parameters
 from plugins.training import (Distributed, autocast_dtype, begin_run, per_replica_buffers,
                               read_checkpoint, require_init, run_task)
 
@@ -78,10 +86,70 @@ def our_metrics(mm_metrics: dict) -> dict[str, float]:
     return ours
 
 
+class SharpnessAwareStep:
+    """A model's ``train_step(data, optim_wrapper)`` for SAM: mmengine's step (preprocess,
+    forward in loss mode, ``parse_losses``, ``optim_wrapper.update_params``) with the update
+    split open: the first backward through ``optim_wrapper.backward`` (an AmpOptimWrapper's
+    loss scaler scales it), ``sam.perturbed_gradient`` around a second forward and backward
+    of the same preprocessed batch at the perturbed weights, then ``optim_wrapper.step()``
+    (clipping, and the scaler's step and update: ``unnorm.GradScaler`` returns every norm to
+    the update's start when it skips) and ``zero_grad()``. The logged losses are the first
+    (unperturbed) pass's. ``model`` is the runner's model, plain or DDP-wrapped: both passes
+    run through it, so DDP averages both gradients.
+
+    Installed by ``UnnormRunner`` as the model's ``train_step`` attribute, as mmengine's
+    Runner installs a compiled ``train_step`` (``_maybe_compile``): the training loop and
+    every hook keep mmengine's contract, for the plain detector and for DDP alike."""
+
+    def __init__(self, model: torch.nn.Module, sam: SharpnessAware):
+        self.model, self.sam = model, sam
+
+    def __call__(self, data, optim_wrapper) -> dict:
+        model, module = self.model, _unwrapped(self.model)
+        self.sam.new_update()  # before the update's first forward: the norms' start is kept
+        with optim_wrapper.optim_context(model):
+            data = module.data_preprocessor(data, True)
+
+        def loss():
+            with optim_wrapper.optim_context(model):
+                losses = model._run_forward(data, mode="loss")
+            return module.parse_losses(losses)
+
+        first, log_vars = loss()
+        optim_wrapper.backward(first)
+        self.sam.perturbed_gradient(lambda: optim_wrapper.backward(loss()[0]))
+        optim_wrapper.step()
+        optim_wrapper.zero_grad()
+        return log_vars
+
+
+class _FrozenSkipped(logging.Filter):
+    """Counts, and keeps out of the log, mmengine's warning for each frozen parameter its
+    optimizer constructor leaves out (``train_only``: hundreds of lines)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "is skipped since its requires_grad=False" in record.getMessage():
+            self.count += 1
+            return False
+        return True
+
+
 class UnnormRunner(Runner):
     """mmengine's Runner with the model on the run's device (``cfg.device``: mmengine alone
     takes any visible GPU), DDP that keeps the norms' buffers per replica, and checkpoints
-    read by ``plugins.checkpoints.load_checkpoint`` (``cfg.trust_checkpoint``)."""
+    read by ``plugins.checkpoints.load_checkpoint`` (``cfg.trust_checkpoint``).
+
+    Training through the norms (``cfg.train_only``, ``cfg.sam``: a ``configs/sam`` entry or
+    None): the model is frozen before DDP wraps it and before the optimizer is built (in
+    ``train()``; mmengine's constructor leaves the frozen parameters out, param-wise rules
+    apply to the rest), and with SAM its ``train_step`` becomes ``SharpnessAwareStep``.
+    ``sam`` is the run's ``SharpnessAware`` or None."""
+
+    sam: SharpnessAware | None = None
 
     def wrap_model(self, model_wrapper_cfg, model):
         if model_wrapper_cfg is not None:
@@ -89,12 +157,39 @@ class UnnormRunner(Runner):
                              "with per-replica norm buffers); drop it from the config")
         device = torch.device(self.cfg.device)
         model = model.to(device)
-        if not self.distributed:
-            return model
-        return MMDistributedDataParallel(
-            module=model, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=self.cfg.get("find_unused_parameters", False),
-            **per_replica_buffers())
+        freeze_except(model, self.cfg.get("train_only", "all"),  # the torchvision backend's
+                      head=getattr(model, "roi_head", None))     # head: its roi_heads
+        self.sam = configured(self.cfg.get("sam"), model, announce=self.rank == 0)
+        if self.distributed:
+            model = MMDistributedDataParallel(
+                module=model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=self.cfg.get("find_unused_parameters", False),
+                **per_replica_buffers())
+        if self.sam is not None:
+            model.train_step = SharpnessAwareStep(model, self.sam)
+        return model
+
+    def build_optim_wrapper(self, optim_wrapper):
+        """mmengine's, with its per-parameter warnings for frozen parameters made one line,
+        and SAM with gradient accumulation refused."""
+        skipped = _FrozenSkipped()
+        logger = MMLogger.get_current_instance()
+        logger.addFilter(skipped)
+        try:
+            built = super().build_optim_wrapper(optim_wrapper)
+        finally:
+            logger.removeFilter(skipped)
+        if skipped.count:
+            self.logger.info(f"train_only={self.cfg.get('train_only')}: the optimizer leaves out "
+                             f"{skipped.count} frozen parameter tensors")
+        counts = getattr(built, "_accumulative_counts", 1)
+        if self.sam is not None and counts > 1:
+            raise ValueError(f"sam with gradient accumulation (optim_wrapper.accumulative_counts="
+                             f"{counts}) is not defined here: SAM's ascent needs the whole "
+                             "update's gradient before its second pass. Set accumulative_counts=1 "
+                             "in the mmdet config's optim_wrapper (one batch per update), or "
+                             "sam=none")
+        return built
 
     def load_checkpoint(self, filename, map_location="cpu", strict=False,
                         revise_keys=((r"^module.", ""),)):
@@ -293,6 +388,9 @@ def mmdet_config(cfg: DictConfig, out_dir: Path, world: Distributed) -> Config:
     mm.launcher = "pytorch" if world.world > 1 else "none"  # on the group plugins.training joined
     mm.device = str(world.device)
     mm.trust_checkpoint = bool(cfg.trust_checkpoint)
+    mm.train_only = cfg.get("train_only", "all")  # read by UnnormRunner, as device is
+    sam = cfg.get("sam")
+    mm.sam = None if sam is None or sam.name == "none" else OmegaConf.to_container(sam, resolve=True)
     return mm
 
 
@@ -345,10 +443,11 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     model = _unwrapped(runner.model)
     try:
         runner.train()
-        meta.update(steps=runner.iter, **rejected_steps(model.state_dict()))
+        meta.update(steps=runner.iter, **trained_parameters(model, runner.sam),
+                    **rejected_steps(model.state_dict()))
         result = run.write_result(status="ok", metrics=hook.last, meta=meta)
     except TrainingCollapsed as collapse:
-        meta.update(rejected_steps(model.state_dict()))
+        meta.update(**trained_parameters(model, runner.sam), **rejected_steps(model.state_dict()))
         result = record_collapse(run, collapse, hook.last, meta)
     finally:
         logger.finish()

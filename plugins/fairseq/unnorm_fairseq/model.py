@@ -15,6 +15,9 @@ keeps fairseq's loss scaling away from the norms' statistics; fairseq-train is r
 So is ``--record-gns RUN_DIR`` (the norms' per-example gradient norms, ``unnorm.gns``), which
 that trainer records; it is registered here, with the norms' flags, so that every command line
 of this model (``plugins.fairseq.checkpoints`` rebuilds it from the training flags) takes it.
+So are ``--sam true`` with its ``--sam-*`` options (sharpness-aware updates, SAM-ON) and
+``--train-only norm|norm+head`` (``plugins.fairseq.flags``), which that trainer applies;
+fairseq-train, which would ignore them, is refused with them.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from fairseq.modules.transformer_layer import (
 from torch import nn
 
 import unnorm
-from plugins.fairseq.flags import OPTIONS, boolean, dest
+from plugins.fairseq.flags import OPTIONS, SAM_OPTIONS, boolean, dest
+from plugins.sam import TRAIN_ONLY
 
 
 def options_from_args(cfg) -> dict:
@@ -149,6 +153,8 @@ class UnnormTransformerModel(TransformerModel):
 
     loss_scaled = False  # built for --fp16/--amp training (build_model)
     record_gns = None  # --record-gns: the run directory plugins.fairseq.train records into
+    through_norms = False  # --sam true or --train-only other than all
+    trainer_applies = False  # set by plugins.fairseq.train, which applies --sam and --train-only
 
     @classmethod
     def add_args(cls, parser):
@@ -166,6 +172,15 @@ class UnnormTransformerModel(TransformerModel):
                        else "the norm's default")
             parser.add_argument(flag, type=kind, default=None, metavar=option.upper(),
                                 help=f"the norm's {option} (unset: {default})")
+        parser.add_argument("--sam", type=boolean, default=False, metavar="BOOL",
+                            help="sharpness-aware updates (plugins.sam; training with "
+                                 "plugins.fairseq.train, one micro-batch per update)")
+        for option, (flag, kind) in SAM_OPTIONS.items():
+            parser.add_argument(flag, type=kind, default=None, metavar=option.upper(),
+                                help=f"SAM's {option} (unset: plugins.sam.SharpnessAware's default)")
+        parser.add_argument("--train-only", choices=TRAIN_ONLY, default="all",
+                            help="freeze every parameter but the norms' (norm+head: and the "
+                                 "output projection's) at its initialisation (plugins.fairseq.train)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -176,6 +191,7 @@ class UnnormTransformerModel(TransformerModel):
         model = super().build_model(args, task)
         model.loss_scaled = bool(getattr(args, "fp16", False) or getattr(args, "amp", False))
         model.record_gns = getattr(args, "record_gns", None)
+        model.through_norms = bool(getattr(args, "sam", False)) or getattr(args, "train_only", "all") != "all"
         return model
 
     def forward(self, *args, **kwargs):
@@ -185,6 +201,10 @@ class UnnormTransformerModel(TransformerModel):
                 module._gns is not None for module in self.modules() if isinstance(module, unnorm.ChannelNorm)):
             raise RuntimeError("--record-gns: nothing records the norms' gradients; train with "
                                "`python -m plugins.fairseq.train` (fairseq-train's flags), which does")
+        if self.training and self.through_norms and not self.trainer_applies:
+            raise RuntimeError("--sam/--train-only: nothing applies them (fairseq-train would train "
+                               "every parameter with plain updates); train with `python -m "
+                               "plugins.fairseq.train` (fairseq-train's flags), which does")
         return super().forward(*args, **kwargs)
 
     def _require_loss_scale_guard(self) -> None:
