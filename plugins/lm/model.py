@@ -35,22 +35,33 @@ The releases' LLaMA recipes (on by default, ``dyt_llm_recipe``/``prepbn_llm_reci
 
 Batch-statistics norms (bn, mabn, pn, pn_ls, un, prepbn) see (B, T, C) activations and pool
 over all B*T positions: the model takes packed sequences without padding, so no pad mask.
-"""
-from __future__ import annotations
 
+Hugging Face interchange: the model is an ``UnnormLlamaForCausalLM`` (a ``LlamaForCausalLM``
+subclass) and its config an ``UnnormLlamaConfig`` (``model_type`` ``"unnorm_llama"``: a
+``LlamaConfig`` plus the norm config and the placement options), registered with
+``AutoConfig`` and ``AutoModelForCausalLM`` when this module is imported. So
+``model.save_pretrained(dir)`` and ``AutoModelForCausalLM.from_pretrained(dir)`` rebuild the
+same model, every norm's running state (its buffers) included; ``plugins.lm.export`` writes
+a trained run, and a Pre-RMSNorm one as a stock ``LlamaForCausalLM`` checkpoint.
+"""
+# no ``from __future__ import annotations``: huggingface_hub's @strict checks the config's
+# field types at run time, from the annotations as written
 import math
 from typing import Mapping, Optional
 
 import torch
 import transformers
+from huggingface_hub.dataclasses import strict
 from omegaconf import OmegaConf
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import initialization as hf_init
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import unnorm
 from plugins.norms import norm_kwargs
 from plugins.scale import CONFIGS
+from unnorm.base import GuardedNorm
 
 PLACEMENTS = ("pre", "post", "peri", "mix")
 
@@ -84,7 +95,7 @@ _ALIASES = {"context": "max_position_embeddings"}
 _LLAMA_EXTRA = {"rope_theta"}  # legacy LlamaConfig keyword, taken into rope_parameters
 
 
-def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> LlamaForCausalLM:
+def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> "UnnormLlamaForCausalLM":
     """Hugging Face's ``LlamaForCausalLM`` with every norm site built from ``norm_cfg``.
 
     ``model_cfg`` (a Hydra ``model`` config or a dict; ``overrides`` win) holds LlamaConfig
@@ -98,13 +109,36 @@ def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> LlamaForCaus
     The norms' ``eps`` is ``rms_norm_eps`` where the norm config leaves it unset; ``rms`` has
     no bias (Llama's RMSNorm); PN with layer-scale and ``group_num: null`` groups by the
     attention heads.
+
+    Returns an ``UnnormLlamaForCausalLM`` (a ``LlamaForCausalLM``) whose ``config`` (an
+    ``UnnormLlamaConfig``) carries the norm config and the options, so ``save_pretrained`` /
+    ``AutoModelForCausalLM.from_pretrained`` rebuild it.
     """
     options, llama = _split_options({**_plain(model_cfg), **overrides})
+    return UnnormLlamaForCausalLM(UnnormLlamaConfig(**llama, **options, norm=_plain(norm_cfg)))
+
+
+def norm_plan(config: "UnnormLlamaConfig") -> tuple[list[str], "_NormFactory"]:
+    """Each layer's placement and the norm factory of ``config``; a wrong placement, norm
+    name or norm option is refused here, before any weight is built."""
+    if not isinstance(config.norm, Mapping):
+        raise ValueError("the model config needs a norm config (norm={'name': ..., options}); "
+                         "build the model with plugins.lm.build_lm")
+    options = lm_options(config)
+    kinds = layer_placements(options["norm_position"], config.num_hidden_layers,
+                             options["mix_post_fraction"])
+    return kinds, _NormFactory(dict(config.norm), config, options)
+
+
+def place_norms(model: LlamaForCausalLM, config: "UnnormLlamaConfig",
+                plan: Optional[tuple[list[str], "_NormFactory"]] = None) -> None:
+    """Put the norms of ``config`` (its norm config, in its placement; ``norm_plan``) into a
+    freshly built ``LlamaForCausalLM``, in place: each decoder layer becomes a
+    ``PlacedDecoderLayer``, the final norm is the placement's (or none), and DyT's scale and
+    Peri-LN's embedding norm wrap the token embedding."""
+    kinds, factory = plan or norm_plan(config)
+    options = lm_options(config)
     placement = options["norm_position"]
-    config = LlamaConfig(**llama)
-    kinds = layer_placements(placement, config.num_hidden_layers, options["mix_post_fraction"])
-    factory = _NormFactory(_plain(norm_cfg), config, options)
-    model = LlamaForCausalLM(config)  # Hugging Face's weights and initialisation, RNG included
     decoder = model.model
     for index, kind in enumerate(kinds):
         decoder.layers[index] = PlacedDecoderLayer(decoder.layers[index], config, kind, factory)
@@ -116,7 +150,73 @@ def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> LlamaForCaus
     norm = factory.build("embedding_norm") if options["embedding_norm"] else None
     if scale is not None or norm is not None:
         decoder.embed_tokens = NormedEmbedding(decoder.embed_tokens, scale, norm)
-    return model
+
+
+def lm_options(config: LlamaConfig) -> dict:
+    """The placement options (``LM_OPTIONS``) a config carries; a plain ``LlamaConfig``
+    carries none and is Pre placement with its defaults."""
+    return {key: getattr(config, key, default) for key, default in LM_OPTIONS.items()}
+
+
+@strict
+class UnnormLlamaConfig(LlamaConfig):
+    """``LlamaConfig`` plus what ``build_lm`` puts into the model: ``norm``, the run's norm
+    config (``name`` and its options, as ``configs/norm`` gives them), and the placement
+    options of ``LM_OPTIONS``. Saved in ``config.json`` by ``save_pretrained``."""
+
+    model_type = "unnorm_llama"
+
+    norm: dict | None = None
+    norm_position: str = "pre"
+    mix_post_fraction: float | int = 0.25
+    embedding_norm: bool = False
+    final_norm: bool | None = None
+    dyt_llm_recipe: bool = True
+    prepbn_llm_recipe: bool = True
+
+
+class UnnormLlamaForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``LlamaForCausalLM`` with the norms and placement of its
+    ``UnnormLlamaConfig`` (``place_norms``). The same state-dict keys as Llama for the
+    attention, MLP, embedding and head; each norm's state (weights, running statistics, step
+    counters: persistent buffers) under its site's name."""
+
+    config_class = UnnormLlamaConfig
+    _no_split_modules = ["PlacedDecoderLayer"]
+
+    def __init__(self, config: UnnormLlamaConfig):
+        plan = norm_plan(config)
+        super().__init__(config)  # Hugging Face's weights and initialisation, RNG included
+        place_norms(self, config, plan)
+
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        """Hugging Face's initialisation of what it did not load (``from_pretrained``), then
+        this project's norms: their state that was not loaded (a non-persistent buffer such
+        as NoNorm's weight, or a key the checkpoint lacks) takes the value ``build_lm`` gives
+        it, copied from a new norm of the same site; loaded state is left alone (Hugging
+        Face's ``init`` functions skip a tensor it loaded). Hugging Face dispatches the base
+        model's modules to ``LlamaModel._init_weights``, so the norms are done here."""
+        super().initialize_weights()
+        factory = None
+        for module in self.modules():
+            if isinstance(module, NormedEmbedding) and module.scale is not None:
+                hf_init.constant_(module.scale, math.sqrt(self.config.hidden_size))
+            site = getattr(module, "_lm_site", None)
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if site is None or all(getattr(t, "_is_hf_initialized", False) for t in own):
+                continue
+            if factory is None:
+                factory = _NormFactory(dict(self.config.norm), self.config,
+                                       lm_options(self.config))
+            with torch.random.fork_rng(devices=[]):
+                fresh = factory.build(*site)
+            state = {**dict(fresh.named_parameters(recurse=False)),
+                     **dict(fresh.named_buffers(recurse=False))}
+            for name, tensor in [*module.named_parameters(recurse=False),
+                                 *module.named_buffers(recurse=False)]:
+                if state.get(name) is not None:
+                    hf_init.copy_(tensor, state[name].to(tensor.device, tensor.dtype))
 
 
 def layer_placements(placement: str, num_layers: int, mix_post_fraction: float = 0.25) -> list[str]:
@@ -158,7 +258,9 @@ class PlacedDecoderLayer(LlamaDecoderLayer):
         self.placement = placement
         for site in LAYER_SITES[placement]:
             setattr(self, site, factory.build(site, placement))
-        left = [name for name, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        owned = {"self_attn", "mlp", *LAYER_SITES[placement]}  # anything else: built on meta
+        left = [name for name, _ in [*self.named_parameters(), *self.named_buffers()]
+                if name.split(".")[0] not in owned]
         if left:
             raise RuntimeError(f"transformers' LlamaDecoderLayer has state this adapter does not "
                                f"take over from the built layer: {', '.join(left)}; update "
@@ -250,6 +352,11 @@ class _NormFactory:
             with torch.no_grad():
                 for param in (norm.bn_weight, norm.bn_bias, norm.alpha):
                     param.zero_()
+        if isinstance(norm, GuardedNorm):  # running statistics in float32, as .to(dtype) keeps
+            for name, buffer in norm.named_buffers(recurse=False):  # them: also when built
+                if buffer.dtype in GuardedNorm._LOW_PRECISION:  # under a low default dtype
+                    setattr(norm, name, buffer.float())  # (from_pretrained(dtype=bfloat16))
+        norm._lm_site = (site, placement)  # UnnormLlamaForCausalLM.initialize_weights
         return norm
 
 
@@ -282,3 +389,6 @@ def _split_options(values: dict) -> tuple[dict, dict]:
                          f"{options['final_norm']!r}")
     return options, values
 
+
+AutoConfig.register(UnnormLlamaConfig.model_type, UnnormLlamaConfig, exist_ok=True)
+AutoModelForCausalLM.register(UnnormLlamaConfig, UnnormLlamaForCausalLM, exist_ok=True)
