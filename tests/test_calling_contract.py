@@ -20,7 +20,8 @@ FORWARD_STATE = {"un": ("running_var", "fwd_buffer", "num_iters", "num_skipped",
                  "mabn": ("running_var", "fwd_buffer", "num_iters", "bwd_buffer"),
                  "pn": ("running_phi", "num_iters"), "pn_ls": ("running_phi", "num_iters"),
                  "bn": ("running_mean", "running_var"),
-                 "prepbn": ("running_mean", "running_var", "num_iters")}
+                 "prepbn": ("running_mean", "running_var", "num_iters"),
+                 "bcn": ("running_mean", "running_var"), "evonorm_b0": ("running_var",)}
 
 
 def build(name):

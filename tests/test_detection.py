@@ -18,6 +18,7 @@ import unnorm
 from plugins.checkpoints import load_checkpoint
 from plugins.runlog import FINISHED
 from plugins.scale import effective_config
+from test_norms import with_experiments
 from plugins.torchvision.coco import CocoInstances, coco_evaluate, to_coco_results
 from plugins.torchvision.detectors import build_detector, detector_fold_plan, fold_detector
 from plugins.torchvision.shapes import CATEGORIES, ensure_shapes, render_image
@@ -147,7 +148,7 @@ def test_missing_coco_root_names_the_fix(tmp_path):
 
 # Every norm in Mask R-CNN (the backbone, the stage-output norms and every head Faster R-CNN
 # has, plus the mask head); Faster R-CNN's own configuration with an online and an offline norm.
-@pytest.mark.parametrize("norm,model", [*((norm, "mask_rcnn_swin_t") for norm in unnorm.available_norms()),
+@pytest.mark.parametrize("norm,model", [*((norm, "mask_rcnn_swin_t") for norm in with_experiments("mask_rcnn_swin_t")),
                                         ("ln", "faster_rcnn_swin_t"), ("un", "faster_rcnn_swin_t")])
 def test_every_norm_trains_the_detectors(model, norm, tmp_path, monkeypatch):
     """Two steps of every norm: every loss term of both stages finite and positive;

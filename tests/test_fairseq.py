@@ -28,6 +28,7 @@ from plugins.fairseq.flags import NOT_IN_FAIRSEQ, OPTIONS, norm_flags, read_trai
 from plugins.norms import norm_kwargs
 from plugins.runlog import FINISHED
 from plugins.scale import effective_config
+from test_norms import with_experiments
 from test_vision import script_env
 
 # one worker runs the module: its fixtures (shared runs) are made once
@@ -99,6 +100,10 @@ def test_a_flag_for_every_norm_option():
     every_option = set().union(*(unnorm.option_names(name) for name in unnorm.available_norms()))
     assert set(OPTIONS) | set(NOT_IN_FAIRSEQ) == every_option
     assert norm_flags("bn", {"causal": False}) == ["--norm-type", "bn"]
+    assert norm_flags("bcn", {"layout": "token", "groups": 8}) == ["--norm-type", "bcn",
+                                                                   "--un-groups", "8"]
+    with pytest.raises(ValueError, match=r"norm.layout=image .*time-first \(T, B, C\)"):
+        norm_flags("evonorm_s0", {"layout": "image"})
     with pytest.raises(ValueError, match=r"norm.causal=True .*time-first \(T, B, C\).*llama_71m"):
         norm_flags("bn", {"causal": True})
     assert norm_flags("un", {"window_size": 4, "warmup_iters": 4000, "outlier_filtration": False,
@@ -119,7 +124,7 @@ class _Env:
 
 def test_experiments_give_the_papers_fairseq_commands(tmp_path):
     for data in ("iwslt14", "wmt14"):
-        for norm in unnorm.available_norms():
+        for norm in with_experiments(data):
             cfg = config(f"+exp={data}_{norm}")
             assert cfg.task == "translation" and cfg.norm.name == norm and cfg.data.name == data
     cfg = config("+exp=iwslt14_un", "seed=3")

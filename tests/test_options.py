@@ -13,7 +13,7 @@ C = 8
 # (norm, option) for every momentum a norm takes
 MOMENTA = [("bn", "momentum"), ("mabn", "momentum"), ("pn", "momentum"), ("pn_ls", "momentum"),
            ("un", "momentum"), ("prepbn", "momentum"), ("pn", "momentum_bwd"),
-           ("pn_ls", "momentum_bwd")]
+           ("pn_ls", "momentum_bwd"), ("bcn", "momentum"), ("evonorm_b0", "momentum")]
 
 
 def test_every_momentum_option_is_covered():
@@ -65,7 +65,8 @@ def test_is_offline_is_what_the_built_norm_says(name):
 def test_offline_norms_are_those_with_a_fixed_inference_affine():
     offline = {name for name in unnorm.available_norms() if unnorm.is_offline(name)}
     assert offline == {"bn", "mabn", "pn", "un", "prepbn"}
-    assert set(unnorm.available_norms()) - offline == {"ln", "rms", "pn_ls", "nonorm", "dyt"}
+    assert set(unnorm.available_norms()) - offline == {"ln", "rms", "pn_ls", "nonorm", "dyt", "bcn",
+                                                       "evonorm_b0", "evonorm_s0"}
     for name in offline:  # eval output of each is x * scale + shift
         norm = unnorm.build_norm(name, C).eval()
         scale, shift = norm.inference_affine()

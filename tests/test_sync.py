@@ -1,6 +1,7 @@
 """Norm state across data-parallel replicas, on two gloo processes, every replica checked:
-``sync_stats`` (two replicas with batch b each equal one process with batch 2b; BN and PRepBN
-also with causal statistics) and
+``sync_stats`` (two replicas with batch b each equal one process with batch 2b; BN, PRepBN,
+BCN and EvoNorm-B0 also with causal statistics, BCN's micro-batch estimates, and the per-example
+statistics of layout "image") and
 ``distribute_norm_state`` (the replicas' states made one before evaluating and saving)."""
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ NORMS = {"un": {"warmup_iters": 4, "outlier_filtration": True, "window_size": 2}
          "pn_ls": {"warmup_iters": 4, "group_num": 5}, "bn": {},
          "prepbn": {"warmup_iters": 2, "decay_iters": 4},
          "bn-causal": {"causal": True, "positions": 3},
-         "prepbn-causal": {"decay_iters": 2, "causal": True, "positions": 3}}
+         "prepbn-causal": {"decay_iters": 2, "causal": True, "positions": 3},
+         "bcn": {}, "bcn-estimate": {"estimate": True},
+         "bcn-causal": {"causal": True, "positions": 3, "estimate": True},
+         "bcn-image": {"layout": "image", "groups": 1},
+         "evonorm_b0": {}, "evonorm_b0-causal": {"causal": True, "positions": 3},
+         "evonorm_b0-image": {"layout": "image"}}
 STEPS, C = 8, 5
 
 

@@ -11,8 +11,10 @@ from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted, UpdateStar
 from .convert import (CompressedRMSNorm, center_writer, compress_readers, compress_writer,
                       convert_to_pre_crms, convert_to_pre_rms, to_compressed_rms_norm, to_rms_norm)
 from .distributed import NORM_SYNC_MODES, check_norm_sync, distribute_norm_state, norm_state
+from .bcn import BatchChannelNorm
 from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
+from .evonorm import EvoNormB0, EvoNormS0
 from .fold import (ChannelAffine, FoldedNorm, check_fold_plan, fold_by_plan, fold_into_linear,
                    fold_norms, to_affine)
 from .gns import GNSRecorder, record_gns
@@ -21,10 +23,14 @@ from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
 from .registry import (available_norms, build_norm, is_foldable, is_offline, norm_layer,
                        option_names)
+from .sample import LAYOUTS
+from .sepnorm import SeparateClassNorm, separate_class_norms
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
 from .swap import ChannelsFirst, replace_module, swap_norms
 from .unified import RELEASED_UN_NAMES, UnifiedNorm, convert_released_state_dict
+from .ws import (EPS_FORMS, StandardizedConv2d, StandardizedLinear, bake_standardized_weights,
+                 standardize_weights)
 
 
 def reset_steps(model) -> int:
@@ -44,7 +50,9 @@ __all__ = [
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder", "GNSRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
-    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "GradScaler", "LossScaleGuard", "UpdateStart",
+    "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "BatchChannelNorm", "EvoNormB0", "EvoNormS0",
+    "SeparateClassNorm", "separate_class_norms", "LAYOUTS", "standardize_weights",
+    "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "GradScaler", "LossScaleGuard", "UpdateStart",
     "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",
     "compress_writer", "compress_readers", "to_rms_norm", "to_compressed_rms_norm",
 ]

@@ -16,6 +16,7 @@ from torch import nn
 
 from .base import ChannelNorm
 from .swap import replace_module
+from .ws import StandardizedWeight
 
 
 class FoldedNorm(nn.Module):
@@ -82,6 +83,11 @@ def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> nn.Module
     if not linears:
         raise ValueError("no linear consumer given; use to_affine(norm) for such a norm")
     for linear in linears:
+        if isinstance(linear, StandardizedWeight):
+            raise ValueError(f"{linear!r} standardises its weight in every forward, which would "
+                             "undo a folded scale: bake it first (unnorm.bake_standardized_weights"
+                             "(model), exact for inference), then fold")
+    for linear in linears:
         if not _is_pointwise(linear, scale.numel()):
             raise ValueError(f"cannot fold a {scale.numel()}-channel norm into {linear!r}: a "
                              "consumer must be an nn.Linear or 1x1 nn.Conv2d reading that many channels")
@@ -115,6 +121,7 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
     number of norms replaced.
     """
     check_folded_once(model, consumers)
+    check_not_separated(model, consumers)
     replaced = 0
     for norm_name, linear_names in consumers.items():
         norm = model.get_submodule(norm_name)
@@ -127,6 +134,23 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
         replace_module(model, norm_name, folded)
         replaced += 1
     return replaced
+
+
+def check_not_separated(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> None:
+    """Refuse to fold a norm of a ``SeparateClassNorm`` into linear layers: those layers read
+    the class token's output and the other tokens' alike, which two norms normalised. Each
+    may still become a frozen affine (an empty consumer list)."""
+    from .sepnorm import SeparateClassNorm
+    for norm_name, linear_names in consumers.items():
+        parent_name, _, _ = norm_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if linear_names and isinstance(parent, SeparateClassNorm):
+            part = "the class token" if parent.class_norm is model.get_submodule(norm_name) \
+                else "the tokens after the class token"
+            raise ValueError(f"{norm_name} normalises only {part} of {parent_name}, and "
+                             f"{', '.join(linear_names)} read(s) every token: "
+                             "a separated norm cannot fold into its consumers; give it an empty "
+                             "list (a frozen affine, if offline) or leave it unfolded")
 
 
 def check_folded_once(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> None:

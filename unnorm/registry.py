@@ -8,7 +8,9 @@ from typing import Callable
 
 from torch import nn
 
+from .bcn import BatchChannelNorm
 from .dyt import DynamicTanh
+from .evonorm import EvoNormB0, EvoNormS0
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
@@ -34,6 +36,9 @@ _NORMS: dict[str, NormSpec] = {
     "un": NormSpec(UnifiedNorm, {}, "Unified Normalization"),
     "dyt": NormSpec(DynamicTanh, {}, "Dynamic Tanh, no statistics (affine foldable)"),
     "prepbn": NormSpec(ProgressiveRepBN, {}, "LayerNorm handing over to RepBN (SLAB)"),
+    "bcn": NormSpec(BatchChannelNorm, {}, "Batch-Channel Normalization: BN, then group norm"),
+    "evonorm_b0": NormSpec(EvoNormB0, {}, "EvoNorm-B0: batch and instance std, fused activation"),
+    "evonorm_s0": NormSpec(EvoNormS0, {}, "EvoNorm-S0: group std, fused sigmoid activation"),
 }
 
 # Arguments hosts pass to every norm; accepted whether or not the norm uses them.

@@ -104,25 +104,41 @@ class CausalStatistics:
                 raise ValueError(f"{type(self).__name__}(causal=True) needs batch-first sequences "
                                  f"(B, T, C), got shape {tuple(x.shape)}; transpose time-first "
                                  "input (x.transpose(0, 1)) or drop causal for non-sequence input")
-            if x.shape[1] > self.running_mean.shape[0]:
+            if x.shape[1] > self.running_var.shape[0]:
                 raise ValueError(f"{type(self).__name__}(causal=True) keeps statistics for "
-                                 f"{self.running_mean.shape[0]} positions, got sequences of "
+                                 f"{self.running_var.shape[0]} positions, got sequences of "
                                  f"{x.shape[1]}: build it with positions={x.shape[1]} or more")
             self._positions = x.shape[1]
         return super().forward(x, pad_mask)
 
+    #: the running statistics ``_running_update`` writes
+    _running_names: tuple[str, ...] = ("running_mean", "running_var")
+
+    def _running_update(self, old: dict[str, torch.Tensor], mean, var, count) -> dict[str, torch.Tensor]:
+        """The running statistics ``old`` after a batch's ``(mean, var, count)``: BN's EMAs (a
+        norm keeping other statistics overrides this)."""
+        return running_statistics(self.momentum, old["running_mean"], old["running_var"],
+                                  mean, var, count)
+
     def _running_state(self, mean, var, count) -> dict[str, torch.Tensor]:
         """The candidate running statistics after a batch's ``(mean, var, count)``: per
         position ``(T, C)`` when causal (positions with no valid row yet keep theirs)."""
+        old = {name: getattr(self, name) for name in self._running_names}
         if self._positions is None:
-            return running_statistics(self.momentum, self.running_mean, self.running_var,
-                                      mean, var, count)
+            return self._running_update(old, mean, var, count)
         length = self._positions
-        old = {"running_mean": self.running_mean, "running_var": self.running_var}
-        new = running_statistics(self.momentum, old["running_mean"][:length],
-                                 old["running_var"][:length], mean, var, count)
+        new = self._running_update({name: value[:length] for name, value in old.items()},
+                                   mean, var, count)
         return {name: torch.cat([torch.where(count > 0, value, old[name][:length]),
                                  old[name][length:]]) for name, value in new.items()}
+
+    def _per_row(self, statistic: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A per-channel ``(C,)`` statistic, or when causal a per-position ``(T', C)`` one (its
+        first T used), broadcast to the ``(N, C)`` rows."""
+        if self._positions is None:
+            return statistic.expand_as(rows)
+        length = self._positions
+        return statistic[:length].expand(rows.shape[0] // length, -1, -1).reshape(rows.shape)
 
     def _batch_ok(self, var: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The batch has a valid row and finite statistics where it has rows."""
@@ -150,10 +166,10 @@ class CausalStatistics:
         return self._running_affine()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        stored = state_dict.get(prefix + "running_mean")
-        if stored is not None and stored.dim() != self.running_mean.dim():
+        stored = state_dict.get(prefix + "running_var")
+        if stored is not None and stored.dim() != self.running_var.dim():
             raise ValueError(f"{prefix or 'the norm'}: the state dict's running statistics are "
-                             f"{tuple(stored.shape)}, this layer's {tuple(self.running_mean.shape)}: "
+                             f"{tuple(stored.shape)}, this layer's {tuple(self.running_var.shape)}: "
                              "causal=True keeps them per position (positions x C) since it "
                              "matched evaluation to training; build the layer as it was saved "
                              "(causal, positions) to load it")
@@ -189,14 +205,25 @@ class BatchNorm(CausalStatistics, GuardedNorm):
     def _normalize(self, rows, valid):
         rows = upcast(rows)
         if not self.training:
-            return self._inference(rows, *self._running_affine())
+            return self._then(self._inference(rows, *self._running_affine()), valid)
+        z, state, var, count = self._batch_part(rows, valid)
+        if self._recording:
+            self._tap.record_act(self._whole_batch(var))
+        return commit_call(self._then(self._affine(z, valid), valid), self, valid, state,
+                           self._batch_ok(var, count))
+
+    def _batch_part(self, rows, valid):
+        """``(z, state, var, count)``: the rows standardised by the batch's statistics, the
+        candidate running state, and the batch's variance and row count."""
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
                                                 self._positions)
-        state = self._running_state(mean, var, count)
-        if self._recording:
-            self._tap.record_act(self._whole_batch(var))
-        return commit_call(self._affine(z, valid), self, valid, state, self._batch_ok(var, count))
+        return z, self._running_state(mean, var, count), var, count
+
+    def _then(self, out: torch.Tensor, valid) -> torch.Tensor:
+        """What follows the batch normalization and its affine: nothing (BCN: its channel
+        normalization)."""
+        return out
 
     def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = upcast(self.weight) * torch.rsqrt(self.running_var + self.eps)
@@ -217,19 +244,47 @@ def running_statistics(alpha: float, running_mean: torch.Tensor, running_var: to
 def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
                       sync: bool = False, positions: Optional[int] = None):
     """``(z, mean, var, count)``: rows standardised by the mean and biased variance of their
-    valid rows (over every replica with ``sync``), differentiably.
+    valid rows (over every replica with ``sync``), differentiably (``batch_moments``).
 
-    Without padding or replicas this is torch's fused batch-norm kernel (which refuses an
-    empty batch: that one takes the general path, and the caller rejects it). Padded rows are
-    standardised too, but add no gradient to the statistics. With ``positions`` (T), the rows
-    are batch-first sequences of T positions, standardised causally (``prefix_standardize``).
+    Without padding, replicas or positions this is torch's fused batch-norm kernel (which
+    refuses an empty batch: that one takes the general path, and the caller rejects it).
+    Padded rows are standardised too, but add no gradient to the statistics. With
+    ``positions`` (T), the rows are batch-first sequences of T positions, each position t
+    standardised by the statistics of the positions ``<= t``, and ``mean``, ``var`` and
+    ``count`` are per position, ``(T, C)`` and ``(T, 1)``: each prefix's, for the
+    per-position running statistics.
+    """
+    if valid is None and not sync and positions is None and rows.shape[0] > 0:
+        z, mean, inv_std = torch.native_batch_norm(rows, None, None, None, None, True, 0.0, eps)
+        return z, mean.detach(), (inv_std.detach().square().reciprocal() - eps), row_count(rows, valid)
+    shift, mean, var, count = batch_moments(rows, valid, sync, positions)
+    shape = rows.shape if positions is None else (-1, positions, rows.shape[1])
+    data = rows.reshape(shape)
+    counted = data if valid is None else zero_padding(rows, valid).reshape(shape)
+    inv_std = torch.rsqrt(var + eps)
+    z = (counted - shift - mean) * inv_std
+    if valid is not None:  # padded rows are standardised, but add no gradient to statistics
+        keep = valid.reshape(*data.shape[:-1], 1)
+        z = torch.where(keep, z, (data - shift - mean.detach()) * inv_std.detach())
+    return z.reshape(rows.shape), (shift + mean).detach(), var.detach(), count.detach()
+
+
+def batch_moments(rows: torch.Tensor, valid: Optional[torch.Tensor], sync: bool = False,
+                  positions: Optional[int] = None):
+    """``(shift, mean, var, count)``: the per-channel mean (about ``shift``) and biased
+    variance of the valid rows (of every replica's, with ``sync``), differentiable (every
+    valid row, on every replica, receives the statistics' gradient), and their count.
+
+    ``shift`` is a detached constant: 0, or with ``positions`` (T: the rows are batch-first
+    sequences ``(B * T, C)``, every replica's of the same T) the mean of the first position
+    that has a valid row (so still causal), and the statistics are each prefix's, ``(T, C)``
+    and count ``(T, 1)``: position t's pool the valid rows at positions ``<= t``. Prefix sums
+    are cumulative over positions, taken about the shift so that E[x^2] - E[x]^2 keeps
+    float32's precision when the mean is far from zero; the shift cancels exactly in value.
     """
     if positions is not None:
-        return prefix_standardize(rows, valid, eps, sync, positions)
+        return _prefix_moments(rows, valid, sync, positions)
     count = row_count(rows, valid)
-    if valid is None and not sync and rows.shape[0] > 0:
-        z, mean, inv_std = torch.native_batch_norm(rows, None, None, None, None, True, 0.0, eps)
-        return z, mean.detach(), (inv_std.detach().square().reciprocal() - eps), count
     counted = rows if valid is None else zero_padding(rows, valid)
     total = counted.sum(dim=0)
     if sync:  # differentiable: every replica's rows receive the statistics' gradient
@@ -240,25 +295,12 @@ def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: fl
     if sync:
         (var,) = sum_over_replicas(var, differentiable=True)
     var = var / count.clamp_min(1)
-    inv_std = torch.rsqrt(var + eps)
-    z = (counted - mean) * inv_std
-    if valid is not None:  # padded rows are standardised, but add no gradient to statistics
-        z = torch.where(valid[:, None], z, (rows - mean.detach()) * inv_std.detach())
-    return z, mean.detach(), var.detach(), count
+    return torch.zeros((), dtype=rows.dtype, device=rows.device), mean, var, count
 
 
-def prefix_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
-                       sync: bool, positions: int):
-    """``batch_standardize`` of batch-first sequences ``(B * T, C)``, each position t by the
-    mean and biased variance of the valid rows at positions ``<= t`` of every sequence (of
-    every replica with ``sync``; every replica's sequences must have the same T). The returned
-    ``mean``, ``var`` and ``count`` are per position, ``(T, C)`` and ``(T, 1)``: each prefix's,
-    for the per-position running statistics.
-
-    Sums are cumulative over positions, taken about a detached shift (the mean of the first
-    position that has a valid row, so still causal) so that E[x^2] - E[x]^2 keeps float32's
-    precision when the mean is far from zero; the shift cancels exactly in value.
-    """
+def _prefix_moments(rows: torch.Tensor, valid: Optional[torch.Tensor], sync: bool,
+                    positions: int):
+    """``batch_moments`` per prefix of batch-first sequences of ``positions`` positions."""
     shape = (-1, positions, rows.shape[1])
     if valid is None:
         weight = torch.ones(1, positions, 1, dtype=rows.dtype, device=rows.device).expand(
@@ -280,9 +322,4 @@ def prefix_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: f
     count = position_count.cumsum(dim=0)
     mean = total / count.clamp_min(1)
     var = (total_sq / count.clamp_min(1) - mean.square()).clamp_min(0)
-    inv_std = torch.rsqrt(var + eps)
-    z = (seqs - shift - mean) * inv_std
-    if valid is not None:  # padded rows are standardised, but add no gradient to statistics
-        raw = rows.reshape(shape)
-        z = torch.where(weight.bool(), z, (raw - shift - mean.detach()) * inv_std.detach())
-    return z.reshape(rows.shape), (shift + mean).detach(), var.detach(), count.detach()
+    return shift, mean, var, count

@@ -49,6 +49,11 @@ OPTIONS = {
     "sync_stats": ("--un-sync-stats", boolean),
     "bias": ("--un-bias", boolean),
     "start_norm": ("--un-start-norm", str),
+    "groups": ("--un-groups", int),
+    "group_eps": ("--un-group-eps", float),
+    "estimate": ("--un-estimate", boolean),
+    "apply_act": ("--un-apply-act", boolean),
+    "unbiased_running_var": ("--un-unbiased-running-var", boolean),
 }
 
 
@@ -60,7 +65,12 @@ NOT_IN_FAIRSEQ = {"causal": "the causal option of BN/PRepBN needs batch-first (B
                             "causal either); use it in the language-modelling decoder "
                             "(+exp=llama_71m_<norm>)",
                  "positions": "positions sizes the per-position statistics of causal BN/PRepBN, "
-                              "which translation does not offer"}
+                              "which translation does not offer",
+                 "layout": "layout='image' pools each example's positions of batch-first input "
+                           "(B, ..., C), and fairseq's layers pass time-first (T, B, C); "
+                           "translation takes the per-token statistics (layout='token')"}
+#: the value of a ``NOT_IN_FAIRSEQ`` option that asks for nothing fairseq lacks (else: falsy)
+FAIRSEQ_KEEPS = {"layout": "token"}
 
 
 def _flag_value(value: Any) -> str:
@@ -79,7 +89,7 @@ def norm_flags(name: str, options: dict) -> list[str]:
     if unknown:
         raise ValueError(f"no fairseq flag for norm option(s) {', '.join(unknown)}")
     for option, why in NOT_IN_FAIRSEQ.items():
-        if options.get(option):
+        if options.get(option) and options[option] != FAIRSEQ_KEEPS.get(option):
             raise ValueError(f"norm.{option}={options[option]} is not available in translation: {why}")
     flags = ["--norm-type", name]
     for option, value in options.items():

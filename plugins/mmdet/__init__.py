@@ -25,11 +25,13 @@ from mmdet.registry import MODELS as MMDET_MODELS
 from mmengine.registry import MODELS
 
 import unnorm
+from unnorm.sample import SampleStatistics
 
 from .convert import convert_checkpoint, timm_to_mmdet, unfold_order
 
 MMDET_NAMES = {"ln": "UnnormLN", "rms": "RMS", "bn": "UnnormBN", "mabn": "MABN", "pn": "PN",
-               "pn_ls": "PN_LS", "nonorm": "NoNorm", "un": "UN", "dyt": "DyT", "prepbn": "PRepBN"}
+               "pn_ls": "PN_LS", "nonorm": "NoNorm", "un": "UN", "dyt": "DyT", "prepbn": "PRepBN",
+               "bcn": "BCN", "evonorm_b0": "EvoNormB0", "evonorm_s0": "EvoNormS0"}
 
 
 def _registered_norm(name: str) -> type:
@@ -88,7 +90,8 @@ class UnfoldOrderPowerNorm(unnorm.PowerNorm):
 class UnnormSwinTransformer(SwinTransformer):
     """mmdet's ``SwinTransformer`` with PN_LS grouped as in our timm Swin: ``group_num=None``
     is the number of attention heads of each norm's stage (``num_heads``), an int forces one
-    value, and a patch merging's norm groups its channels in timm's order."""
+    value, and a patch merging's norm groups its channels in timm's order (PN_LS's
+    layer-scale, BCN's and EvoNorm's channel groups)."""
 
     def __init__(self, *, num_heads=(3, 6, 12, 24), norm_cfg=dict(type="LN"), **kwargs):
         per_stage = "group_num" in norm_cfg and norm_cfg["group_num"] is None
@@ -96,6 +99,8 @@ class UnnormSwinTransformer(SwinTransformer):
                          norm_cfg={**norm_cfg, "group_num": 1} if per_stage else norm_cfg)
         options = {key: value for key, value in norm_cfg.items() if key != "type"}
         for name, module in list(self.named_modules()):
+            if isinstance(module, SampleStatistics) and name.endswith("downsample.norm"):
+                module.group_channels_as(unfold_order(torch.arange(module.num_features), 0))
             if isinstance(module, unnorm.PowerNorm) and module.layer_scale:
                 groups = num_heads[swin_stage(name)] if per_stage else module.group_num
                 merging = name.endswith("downsample.norm")

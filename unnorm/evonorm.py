@@ -1,0 +1,154 @@
+"""EvoNorm-B0 and EvoNorm-S0 (Liu, Brock, Simonyan and Le, "Evolving Normalization-Activation
+Layers", NeurIPS 2020), as released in tensorflow/tpu ``models/official/resnet/resnet_model.py``
+(``evonorm``, ``_batch_std``, ``_instance_std``, ``_group_std``):
+
+- S0: ``x * sigmoid(v x) / group_std(x) * gamma + beta``;
+- B0: ``x / max(batch_std(x), v x + instance_std(x)) * gamma + beta``, the batch variance
+  kept as a moving average (decay 0.9, initialised to 1, no mean) for inference.
+
+Nothing is mean-centred, and the norm fuses an activation: ``apply_act=False`` (the release's
+``nonlinearity=False``) leaves the affine ``x * gamma + beta`` alone, an offline norm.
+What the fused activation does in each placement (docs/core.md): Pre-norm, the branch input is
+gated (S0's ``x sigmoid(v x)`` is SiLU at v = 1; B0's ratio saturates at 1/v for large x), the
+residual stream is not; Post-norm, the residual stream itself is; Peri, both.
+
+timm's ``EvoNorm2dB0``/``EvoNorm2dS0`` compute the same, except that timm's B0 defaults to
+eps 1e-3 (the release and these: 1e-5) and keeps its running variance unbiased (the release:
+biased; ``unbiased_running_var=True`` is timm's). Statistics within a sample follow
+``layout`` (``unnorm.sample``): per token by default (S0's groups over each token's channels;
+B0's instance std over the token's channels), per example with ``layout="image"``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_call,
+                   replicas_active, upcast)
+from .sample import SampleStatistics, check_layout, resolve_groups
+from .simple import CausalStatistics, batch_moments
+
+
+class FusedActivation:
+    """EvoNorm's activation parameter ``v`` (ones, per channel) and ``apply_act``: without
+    it the norm is the affine ``x * weight + bias`` alone, offline."""
+
+    apply_act: bool = True
+
+    def _init_activation(self, apply_act: bool, device, dtype) -> None:
+        self.apply_act = bool(apply_act)
+        self.offline = self.offline_for(apply_act=self.apply_act)
+        self.register_parameter("v", nn.Parameter(torch.ones(self.num_features, device=device,
+                                                             dtype=dtype))
+                                if self.apply_act else None)
+
+    @classmethod
+    def offline_for(cls, *, apply_act: bool = True, **options) -> bool:
+        """Without its activation the norm is an affine: offline."""
+        return not apply_act
+
+    def inference_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.apply_act:
+            raise RuntimeError(f"{type(self).__name__} divides by statistics of each input (and "
+                               "fuses an activation): an online norm, with no per-channel affine "
+                               "to fold; only apply_act=False (an affine alone) folds")
+        return upcast(self.weight), upcast(self.bias)
+
+
+class EvoNormS0(FusedActivation, SampleStatistics, ChannelNorm):
+    """EvoNorm-S0: ``x * sigmoid(v x) / sqrt(group_var(x) + eps) * weight + bias``, the group
+    variance over each sample's ``groups`` channel groups (``unnorm.sample``: per token by
+    default; a ``groups`` that does not divide the channels falls to the largest divisor
+    below it, as in the release). No running state; online."""
+
+    def __init__(self, num_features: int, groups: int = 32, eps: float = 1e-5,
+                 apply_act: bool = True, layout: str = "token", device=None, dtype=None):
+        super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        self.layout = check_layout(layout)
+        self.groups = resolve_groups(num_features, groups, self.layout)
+        self._init_activation(apply_act, device, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, groups={self.groups}, layout={self.layout}"
+                + ("" if self.apply_act else ", apply_act=False"))
+
+    def _normalize(self, rows, valid):
+        if self._recording:
+            self._tap.record_act(channel_mean_sq(rows, valid))
+        rows = upcast(rows)
+        if self.apply_act:
+            _, var = self._sample_moments(rows, self.groups, valid)
+            rows = rows * torch.sigmoid(upcast(self.v) * rows) / torch.sqrt(var + self.eps)
+        return self._affine(rows, valid)
+
+
+class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm):
+    """EvoNorm-B0: ``x / max(sqrt(batch_var + eps), v x + sqrt(instance_var(x) + eps)) *
+    weight + bias``.
+
+    The batch variance (biased, not centred in the output) pools every valid position of the
+    batch per channel (``sync_stats``: every replica's; ``causal``: positions ``<= t``, kept
+    per position), with gradient, as in the release; inference uses ``running_var``, an EMA
+    keeping ``momentum`` (the paper's alpha: the release's decay 0.9, timm's momentum 0.1) of
+    the old value, biased as released (``unbiased_running_var=True``: timm's). The instance
+    variance pools within a sample (``layout``): per token over its channels, or per example
+    and channel over its positions (``layout="image"``, the release on images). Guarded as
+    every norm with running state: a rejected batch or a skipped update leaves
+    ``running_var`` as it was. Online: the instance term depends on each input."""
+
+    _running_names = ("running_var",)
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
+                 apply_act: bool = True, layout: str = "token", unbiased_running_var: bool = False,
+                 sync_stats: bool = False, causal: bool = False, positions: Optional[int] = None,
+                 device=None, dtype=None):
+        super().__init__(num_features, eps=eps, device=device, dtype=dtype)
+        self.momentum = check_momentum("momentum", momentum)
+        self.sync_stats, self.causal = bool(sync_stats), bool(causal)
+        self.unbiased_running_var = bool(unbiased_running_var)
+        self.layout = check_layout(layout, self.causal)
+        # the instance statistic: the token's channels (one group), or each channel over an
+        # example's positions (one channel a group); per token it needs two channels
+        self._instance_groups = (resolve_groups(num_features, 1, "token")
+                                 if self.layout == "token" else num_features)
+        shape = self._running_shape(num_features, self.causal, positions)
+        self.register_buffer("running_var", torch.ones(shape, device=device))
+        self._init_activation(apply_act, device, dtype)
+
+    def extra_repr(self) -> str:
+        causal = f", causal, positions={self.running_var.shape[0]}" if self.causal else ""
+        return (f"{super().extra_repr()}, momentum={self.momentum}, layout={self.layout}"
+                + ("" if self.apply_act else ", apply_act=False") + causal)
+
+    def _running_update(self, old, mean, var, count):
+        if self.unbiased_running_var:
+            var = var * count / (count - 1).clamp_min(1)
+        return {"running_var": self.momentum * old["running_var"] + (1 - self.momentum) * var}
+
+    def _normalize(self, rows, valid):
+        rows = upcast(rows)
+        if not self.apply_act:  # the release computes no statistic then, and updates none
+            out = self._affine(rows, valid)
+            accepted = torch.ones((), dtype=torch.bool, device=rows.device)
+            return commit_call(out, self, valid, {}, accepted) if self.training else out
+        if self.training:
+            _, _, var, count = batch_moments(rows, valid, replicas_active(self.sync_stats),
+                                             self._positions)
+            batch_var = self._per_row(var, rows)
+            if valid is not None:  # a padded row's output sends no gradient to the statistic
+                batch_var = torch.where(valid[:, None], batch_var, batch_var.detach())
+            var, count = var.detach(), count.detach()
+            if self._recording:
+                self._tap.record_act(self._whole_batch(var))
+        else:
+            batch_var = self._per_row(self.running_var, rows)
+        _, instance_var = self._sample_moments(rows, self._instance_groups, valid)
+        left = torch.sqrt(batch_var + self.eps)
+        right = upcast(self.v) * rows + torch.sqrt(instance_var + self.eps)
+        out = self._affine(rows / torch.maximum(left, right), valid)
+        if not self.training:
+            return out
+        return commit_call(out, self, valid, self._running_state(None, var, count),
+                           self._batch_ok(var, count))
