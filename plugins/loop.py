@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import unnorm
@@ -43,12 +44,13 @@ class EpochLoop:
     ``scheduler`` is a timm scheduler stepped per optimizer update (``step_on_epochs=False``):
     warm-ups at CPU scale last about an epoch, which a per-epoch schedule would make one jump.
     ``data`` is what the run records about its data (names, hashes): kept in every
-    checkpoint, and a resume onto other data is refused."""
+    checkpoint, and a resume onto other data is refused. ``checkpointer``: how checkpoints
+    are written and resumed (``plugins.fsdp.ShardedCheckpointer`` for a sharded model)."""
 
     def __init__(self, cfg: DictConfig, out_dir: Path, world: Distributed, run: RunDirectory,
                  model: nn.Module, optimizer, scheduler, scaler, *,
                  replicas: Sequence[nn.Module] = (), stats_module: Optional[nn.Module] = None,
-                 data: Optional[dict] = None, **parts):
+                 data: Optional[dict] = None, checkpointer: type = Checkpointer, **parts):
         if getattr(scheduler, "t_in_epochs", False):
             raise ValueError("the training loop steps the learning rate per optimizer update; "
                              "build the scheduler with create_scheduler_v2(..., step_on_epochs=False)")
@@ -58,7 +60,7 @@ class EpochLoop:
         self.stats_module = stats_module if stats_module is not None else model
         self.data = data
         self.detector = CollapseDetector(**cfg.collapse)
-        self.checkpoint = Checkpointer(self.out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
+        self.checkpoint = checkpointer(self.out_dir / CHECKPOINT, world, trusted=cfg.trust_checkpoint,
                                        model=model, optimizer=optimizer, scheduler=scheduler,
                                        collapse=self.detector, scaler=scaler, **parts)
         self.start_epoch, self.step, self.metrics = 0, 0, {}
@@ -133,7 +135,9 @@ class EpochLoop:
                     update_sums: dict[str, torch.Tensor] = {}
                     for index, batch in enumerate(micro_batches):
                         last = index == accumulate - 1  # DDP reduces the gradients once, at the last
-                        with nullcontext() if last or world.world == 1 else net.no_sync():
+                        # (FSDP reduce-scatters each micro-batch's into its gradient shards)
+                        with net.no_sync() if not last and isinstance(net, DistributedDataParallel) \
+                                else nullcontext():
                             losses = forward(batch)
                             parts = dict(losses) if isinstance(losses, Mapping) else {}
                             loss = _total(losses)

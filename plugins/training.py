@@ -25,9 +25,10 @@ from plugins.scale import effective_config
 
 
 class Distributed:
-    """Process-group facts for one process (a single process when not under torchrun)."""
+    """Process-group facts for one process (a single process when not under torchrun).
+    ``group``: join a process group also when alone (a group of one: FSDP shards over one)."""
 
-    def __init__(self, device_name: str):
+    def __init__(self, device_name: str, group: bool = False):
         if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
             import submitit  # a SLURM job array task: export torchrun's variables from SLURM's
             submitit.helpers.TorchDistributedEnvironment().export()
@@ -41,8 +42,13 @@ class Distributed:
         self.device = torch.device(f"cuda:{local}" if device_name == "cuda" else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self._owns_group = (self.world > 1 or group) and not dist.is_initialized()
+        if self._owns_group:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.world > 1:
+                dist.init_process_group(backend)
+            else:  # no torchrun: a group of one needs no rendezvous
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
     @property
     def main(self) -> bool:
@@ -76,7 +82,7 @@ class Distributed:
         return gathered
 
     def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
+        if (self.world > 1 or self._owns_group) and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -125,7 +131,12 @@ class Checkpointer:
         """Load the saved state into the parts; returns it (None when there is none)."""
         if not self.path.exists():
             return None
-        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted)
+        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted,
+                                unshard=False)
+        if state.get("sharded"):
+            raise ValueError(f"resume: {self.path} was saved by distributed=fsdp (a sharded "
+                             "checkpoint); resume it with distributed=fsdp, or start a new run "
+                             f"from its weights with init_from={self.path}")
         for name, part in self.parts.items():
             if part is not None:
                 part.load_state_dict(state[name])
@@ -144,11 +155,13 @@ class Checkpointer:
 
 
 def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None,
-                    trusted: bool = False) -> dict:
+                    trusted: bool = False, unshard: bool = True) -> dict:
     """One of our checkpoints, loaded without running its pickle (``trusted``: with), or an
-    error naming ``option`` and the fix."""
+    error naming ``option`` and the fix; a sharded one with its whole model (``unshard``,
+    ``plugins.checkpoints.load_checkpoint``)."""
     try:
-        state = load_checkpoint(path, trusted=trusted, opt_in="trust_checkpoint=true")
+        state = load_checkpoint(path, trusted=trusted, opt_in="trust_checkpoint=true",
+                                unshard=unshard)
     except UnsafeCheckpoint as error:
         raise UnsafeCheckpoint(f"{option}: {error}") from error
     except Exception as error:  # torch raises several kinds for damaged or foreign files
@@ -184,15 +197,21 @@ def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters) ->
 
 
 def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = (),
-             ranges: Mapping[str, str] = MappingProxyType({})) -> dict:
+             ranges: Mapping[str, str] = MappingProxyType({}),
+             strategies: Sequence[str] = ("ddp",), activation_checkpointing: bool = False) -> dict:
     """Apply the scale switch (refusing an option outside its range: the task's ``ranges``
     and every task's, ``check_ranges``), join the process group, and run ``train_fn(cfg,
     out_dir, world, meta)``; ``overrides`` (the command line's) are recorded so tables can
-    tell sweeps from defaults."""
+    tell sweeps from defaults. ``strategies``: the ``distributed.strategy`` values the task
+    trains with, ``activation_checkpointing``: whether it has that option
+    (``plugins.fsdp.check_distributed``)."""
+    from plugins.fsdp import check_distributed
+
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
     cfg = effective_config(cfg, overrides, ranges)
     check_amp(cfg.amp)
-    world = Distributed(cfg.device)
+    sharded = check_distributed(cfg, strategies, activation_checkpointing) == "fsdp"
+    world = Distributed(cfg.device, group=sharded)
     try:
         with hold_run_folder(Path(out_dir), world), (
                 no_eager_fallback() if cfg.compile else nullcontext()):

@@ -23,6 +23,9 @@ OmegaConf.register_new_resolver("run_suffix", lambda: SUFFIX)
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    from plugins.fsdp import STRATEGIES, check_distributed  # fairseq and mmdetection too
+    sharding = cfg.task == "language_modelling"
+    check_distributed(cfg, STRATEGIES if sharding else ("ddp",), activation_checkpointing=sharding)
     if cfg.task == "classification":
         from plugins.timm.trainer import CHECKPOINT, train
         metric = "top1"

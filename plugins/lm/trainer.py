@@ -4,7 +4,8 @@ accumulation to a fixed number of sequences per update, validation loss over a f
 token windows.
 
 An "epoch" of the shared loop is ``recipe.eval_every`` updates: the run validates, logs and
-checkpoints after each. Runs on one process or under ``torchrun`` (DDP); a collapse ends the
+checkpoints after each. Runs on one process or under ``torchrun`` (DDP, or sharded with
+``distributed=fsdp``: ``plugins.fsdp``, one FSDP2 unit per decoder layer); a collapse ends the
 run cleanly with ``status: FAIL`` in ``result.json``.
 """
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.scheduler import create_scheduler_v2
 
+from plugins import fsdp
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
 from plugins.sam import freeze_except
-from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
+from plugins.training import (Checkpointer, Distributed, amp_context, begin_run, data_parallel,
                               epoch_plan, load_weights, run_task)
 
 from .data import prepare_corpus, unigram_loss
@@ -48,7 +50,8 @@ def check_eval_budgets(cfg: DictConfig) -> None:
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and validate one run; returns the ``result.json`` content."""
-    return run_task(_train, cfg, out_dir, overrides, RANGES)
+    return run_task(_train, cfg, out_dir, overrides, RANGES, strategies=fsdp.STRATEGIES,
+                    activation_checkpointing=True)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
@@ -63,12 +66,13 @@ def validation_loss(model, windows, batch_size: int, world: Distributed, amp) ->
     is in (eval: running statistics; a training-mode copy: batch statistics)."""
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)  # loss sum, tokens
     loader = torch.utils.data.DataLoader(world.shard(windows), batch_size=batch_size)
-    for inputs, targets in loader:
+    for (inputs, targets), counted in fsdp.lockstep(loader, model, world):
         inputs, targets = inputs.to(world.device), targets.to(world.device)
         with amp():
             logits = model(input_ids=inputs).logits
-        totals += torch.stack([next_token_loss(logits, targets, "sum").double(),
-                               torch.tensor(targets.numel(), dtype=torch.float64, device=world.device)])
+        if counted:  # a sharded model's extra forward (fsdp.lockstep) is not
+            totals += torch.stack([next_token_loss(logits, targets, "sum").double(),
+                                   torch.tensor(targets.numel(), dtype=torch.float64, device=world.device)])
     totals = world.sum(totals)
     val_loss = (totals[0] / totals[1]).item()
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
@@ -111,6 +115,12 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
               f"{world.world} process(es), {device})")
 
     freeze_except(model, cfg.train_only, head=model.lm_head)  # train_only=norm|norm+head
+    if cfg.distributed.activation_checkpointing:  # each layer recomputed in the backward
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    sharded = cfg.distributed.strategy == "fsdp"
+    if sharded:  # before the optimizer, which must hold the shards
+        fsdp.shard(model, model.model.layers, world, amp=cfg.amp, compile=cfg.compile,
+                   reshard_after_forward=cfg.distributed.reshard_after_forward)
     decay, no_decay = [], []
     for param in model.parameters():
         (decay if param.ndim > 1 else no_decay).append(param)
@@ -121,14 +131,15 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         optimizer, sched="cosine", num_epochs=epochs, updates_per_epoch=updates_per_epoch,
         warmup_epochs=recipe.warmup_steps / updates_per_epoch, warmup_lr=0.0, warmup_prefix=True,
         min_lr=recipe.lr * cfg.lr_multiple * recipe.min_lr_ratio, step_on_epochs=False)
-    amp, scaler = amp_context(cfg.amp, device, model)
+    amp, scaler = (fsdp.amp_for if sharded else amp_context)(cfg.amp, device, model)
     loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler,
+                     checkpointer=fsdp.ShardedCheckpointer if sharded else Checkpointer,
                      data=corpus.record())
     init = loop.resume(init)
 
-    if cfg.compile:  # in place: state-dict keys stay as they are
+    if cfg.compile and not sharded:  # in place: state-dict keys stay as they are
         model.compile()
-    net = data_parallel(model, device) if world.world > 1 else model
+    net = data_parallel(model, device) if world.world > 1 and not sharded else model
     tokens_per_update = recipe.batch_size * context
     clock = {"started": time.time(), "step": loop.step}
 
@@ -146,11 +157,13 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
                    "tokens": (epoch + 1) * updates_per_epoch * tokens_per_update,
                    "tokens_per_s": updates * tokens_per_update / max(elapsed, 1e-9)}
         if last:  # as trained: PRepBN, say, pools over positions only once its hand-over starts
-            leak = future_leak(model, probe_inputs)
+            probe = fsdp.unsharded_copy(model, lambda: build_lm(
+                cfg.model, cfg.norm, vocab_size=corpus.vocab_size)) if sharded else model
+            leak = future_leak(probe, probe_inputs)
             metrics.update(leaks_future=leak["leaks"], future_logit_change=leak["max_logit_change"])
             if leak["leaks"]:  # how much training mode's view of the future flatters it
                 metrics["val_loss_train_mode"] = validation_loss(
-                    training_copy(model), val_set, micro_batch, world, amp)["val_loss"]
+                    training_copy(probe), val_set, micro_batch, world, amp)["val_loss"]
         clock.update(started=time.time(), step=(epoch + 1) * updates_per_epoch)
         return metrics
 
