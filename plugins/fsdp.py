@@ -26,13 +26,11 @@ What a trainer calls, all here (torchtitan's layout, for our norms):
 
 Gradient accumulation reduce-scatters each micro-batch's gradients into the float32 shards
 (torchtitan's default: memory stays sharded; DDP instead reduces once, at the last).
-Refused by name: SAM (``sam=...``), compiled layers with activation checkpointing, any task
-but language modelling, and (any strategy) a compiled UN, MABN or PN with ``sync_stats`` on
-several processes, whose compiled backward gets the affine gradients wrong.
+Refused by name: SAM (``sam=...``), compiled layers with activation checkpointing, and any
+task but language modelling.
 """
 from __future__ import annotations
 
-import os
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
@@ -57,9 +55,6 @@ from plugins.training import (
 )
 
 STRATEGIES = ("ddp", "fsdp")
-#: norms whose backward sums a gradient statistic over the replicas with ``sync_stats``
-#: (``unnorm.EstimatedNorm``): compiled, that backward is wrong (``check_distributed``)
-BACKWARD_SYNCED = ("un", "mabn", "pn", "pn_ls")
 SHARDED_DIR = "sharded"  # beside last.pt: one DCP directory per kept checkpoint
 
 
@@ -85,15 +80,6 @@ def check_distributed(cfg: DictConfig, strategies: Iterable[str] = ("ddp",),
             raise ValueError("compile=true with distributed.activation_checkpointing=true: a "
                              "compiled layer recomputed by the checkpoint would commit its norms' "
                              "running state twice per step; choose one of them")
-    norm = cfg.get("norm") or {}
-    processes = max(int(os.environ.get(name, "1")) for name in ("WORLD_SIZE", "SLURM_NTASKS"))
-    if cfg.compile and norm.get("sync_stats") and norm.get("name") in BACKWARD_SYNCED and processes > 1:
-        raise ValueError(f"compile=true with norm.sync_stats=true on {processes} processes: "
-                         f"compiled, {norm.name}'s backward, which sums its gradient statistic "
-                         "over the replicas, gives wrong affine gradients (measured: each "
-                         "replica's weight gradient off by about another replica's); train it "
-                         "eager (compile=false) or with per-replica statistics "
-                         "(norm.sync_stats=false)")
     sam = cfg.get("sam")
     if chosen == "fsdp" and sam is not None and sam.get("name", "none") != "none":
         raise ValueError(f"sam={sam.name} with distributed=fsdp: SAM's ascent takes whole "

@@ -151,3 +151,68 @@ def test_one_process_keeps_its_norm_state_and_a_bad_mode_names_both():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     with pytest.raises(ValueError, match="norm_sync='mean'.*reduce.*broadcast"):
         unnorm.distribute_norm_state(model, "mean")
+
+
+# --- compiled: inductor's own code (what compile=true runs) --------------------------------------
+
+#: the norms whose backward sums their gradient statistic over the replicas (EstimatedNorm)
+BACKWARD_SYNCED = ("un", "mabn", "pn", "pn_ls")
+
+
+def _train(call, norm, xs, dys, rows):
+    """Per step: output, input gradient and the affine gradients; then the norm's state."""
+    steps = []
+    for x, dy in zip(xs, dys):
+        x = x[rows].clone().requires_grad_(True)
+        norm.zero_grad(set_to_none=True)
+        y = call(x)  # no padding: the gradient statistic is then the weight gradient's own sum
+        y.backward(dy[rows])
+        steps.append((y.detach(), x.grad, norm.weight.grad.clone(), norm.bias.grad.clone()))
+    return steps, {k: v.clone() for k, v in norm.state_dict().items()}
+
+
+def _compiled_replica(rank, port, out_dir):
+    """One of two replicas: each of ``BACKWARD_SYNCED`` with ``sync_stats``, eager and
+    compiled by inductor, on this replica's half of each batch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    xs, dys, _ = _batches()
+    seen = {}
+    for name in BACKWARD_SYNCED:
+        runs = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            norm = unnorm.build_norm(name, C, sync_stats=True, **NORMS[name])
+            call = torch.compile(norm, backend="inductor", fullgraph=True) if compiled else norm
+            runs.append(_train(call, norm, xs, dys, slice(2 * rank, 2 * rank + 2)))
+        seen[name] = runs
+    torch.save(seen, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compiled_replicas(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("compiled")
+    mp.start_processes(_compiled_replica, args=(_free_port(), str(out)), nprocs=2,
+                       start_method="spawn")
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKWARD_SYNCED)
+def test_compiled_synced_norms_give_every_replica_its_own_affine_gradients(name, compiled_replicas):
+    """Compiled by inductor, each replica's affine gradients are its own, as eager: inductor
+    wrote a ``torch.cat``'s inputs into its output and all-reduced that buffer in place, so
+    UN's and MABN's sum(dy * z), summed over the replicas for the gradient statistic, came
+    back summed as the weight gradient too (aot_eager does not reuse buffers: it cannot show
+    this)."""
+    for rank in range(2):
+        (eager, eager_state), (compiled, compiled_state) = compiled_replicas[rank][name]
+        for step, (want, got) in enumerate(zip(eager, compiled)):
+            for what, a, b in zip(("output", "input grad", "weight grad", "bias grad"), want, got):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5,
+                                           msg=f"rank {rank}, step {step}: {what}")
+        for key, value in eager_state.items():
+            torch.testing.assert_close(compiled_state[key], value, rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}: {key}")

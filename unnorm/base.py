@@ -470,13 +470,27 @@ def replicas_active(sync: bool) -> bool:
 
 
 def sum_over_replicas(*tensors: torch.Tensor, differentiable: bool = False) -> list[torch.Tensor]:
-    """All-reduce (sum) small tensors in one collective; each keeps its shape."""
+    """All-reduce (sum) small tensors in one collective; each keeps its shape. The tensors
+    themselves keep their values (this replica's), compiled too."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     if differentiable:
         flat = _AllReduceSum.apply(flat)
     else:
-        dist.all_reduce(flat)
+        flat = _all_reduced(flat)
     return [part.reshape(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def _all_reduced(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over the replicas, in a new tensor; ``tensor`` is left as it is.
+
+    Compiled, the copy is an opaque op: inductor computes the inputs of ``torch.cat`` into
+    slices of its output and lowers the all-reduce in place into that buffer, so the
+    collective overwrote the tensors given to ``sum_over_replicas`` as well. UN's and MABN's
+    backward read their sum(dy * z), which is also the weight gradient, after summing it
+    over the replicas: each replica's weight gradient became every replica's."""
+    tensor = _materialize(tensor) if torch.compiler.is_compiling() else tensor.clone()
+    dist.all_reduce(tensor)
+    return tensor
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -484,15 +498,11 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor):
-        tensor = tensor.clone()
-        dist.all_reduce(tensor)
-        return tensor
+        return _all_reduced(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
+        return _all_reduced(grad)
 
 
 def row_count(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
