@@ -38,6 +38,7 @@ from benchmark import (  # scripts/: shared by the benchmarks
 from plugins.sam import SharpnessAware, freeze_except
 from plugins.scale import effective_config
 from plugins.timm.models import model_from_config
+from plugins.training import optimizer_step
 
 VARIANTS = ("base", "sam", "sam_on", "asam_on", "norm", "norm+head")
 
@@ -72,8 +73,7 @@ def update_of(variant: str, model: str, norm: str, images, labels):
         criterion(net(images), labels).backward()
         if sam is not None:
             sam.perturbed_gradient(lambda: criterion(net(images), labels).backward())
-        torch.nn.utils.clip_grad_norm_(net.parameters(), recipe.clip_grad)
-        optimizer.step()
+        optimizer_step(optimizer, None, recipe.clip_grad, net.parameters())
     return update
 
 
