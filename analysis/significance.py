@@ -40,6 +40,16 @@ class Cell:
         return "; ".join(parts) + dagger if parts else "—"  # e.g. no large objects: no APl
 
 
+def welch_p(values: list[float], baseline: list[float]) -> float:
+    """Welch's t-test from the two sides' exact means and standard deviations (``statistics``
+    sums exactly: a side of equal values, such as BLEU 100 in every seed, has a spread of
+    exactly 0, where scipy's moments of the raw values lose precision and warn)."""
+    return float(stats.ttest_ind_from_stats(
+        statistics.mean(values), statistics.stdev(values), len(values),
+        statistics.mean(baseline), statistics.stdev(baseline), len(baseline),
+        equal_var=False).pvalue)
+
+
 DIGITS = {"val_loss": 3}  # decimals shown; others 1
 SIGNIFICANCE_NOTE = ("{n} in this table: the difference of means and Welch's p "
                      "against the row's or column's baseline; * p < 0.05, ** also after Holm's "
@@ -81,8 +91,7 @@ class Comparisons:
                 continue
             difference = statistics.mean(values) - statistics.mean(baseline)
             flat = statistics.pstdev(values) == statistics.pstdev(baseline) == 0
-            out.append((difference, None if flat else
-                        float(stats.ttest_ind(values, baseline, equal_var=False).pvalue)))
+            out.append((difference, None if flat else welch_p(values, baseline)))
         return out
 
     @property

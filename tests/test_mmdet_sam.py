@@ -32,8 +32,6 @@ from test_vision import config
 
 C = 8
 SHAPE = (4, 5, C)
-# a second Runner in one process asks mmengine for its visualizer again, which it warns about
-ANOTHER_RUNNER = pytest.mark.filterwarnings("ignore:<class 'mmdet.visualization")
 
 
 class Tiny(BaseModel):
@@ -108,7 +106,6 @@ def test_a_scaler_that_skips_a_sam_step_leaves_every_norm_as_it_was(norm, monkey
         assert int(model.norm.num_iters) == 2
 
 
-@ANOTHER_RUNNER
 def test_norm_only_freezes_before_the_optimizer_and_keeps_its_param_wise_rules(tmp_path):
     """train_only=norm: only the norms' affine parameters require gradients, and the
     optimizer mmengine builds holds exactly those, with the config's no-decay rule for
@@ -129,7 +126,6 @@ def test_norm_only_freezes_before_the_optimizer_and_keeps_its_param_wise_rules(t
             assert groups[id(model.roi_head.bbox_head.fc_cls.weight)]["weight_decay"] > 0
 
 
-@ANOTHER_RUNNER
 def test_sam_with_gradient_accumulation_is_refused_by_name(tmp_path):
     cfg = _settings_config(tmp_path, "sam=sam_on")
     mm = mmdet_config(cfg, tmp_path / "run", Distributed("cpu"))
@@ -164,7 +160,6 @@ def _detector(run: Path) -> nn.Module:
     return MODELS.build(Config.fromfile(str(run / "mmdet_config.py")).model)
 
 
-@ANOTHER_RUNNER
 @pytest.mark.slow
 def test_sam_on_trains_mask_rcnn_and_records_what_it_trained(tmp_path, monkeypatch):
     """sam=sam_on train_only=norm+head: the run records the norms' parameter count as SAM's
@@ -187,7 +182,6 @@ def test_sam_on_trains_mask_rcnn_and_records_what_it_trained(tmp_path, monkeypat
     assert any(not torch.equal(begun[k], ended[k]) for k in norms)
 
 
-@ANOTHER_RUNNER
 @pytest.mark.slow
 def test_norm_only_training_leaves_every_other_weight_at_its_start(tmp_path, monkeypatch):
     """train_only=norm: every parameter that is not a norm's (backbone, FPN, RPN, ROI heads)
@@ -203,7 +197,6 @@ def test_norm_only_training_leaves_every_other_weight_at_its_start(tmp_path, mon
     assert all(not torch.equal(begun[k], ended[k]) for k in weights)
 
 
-@ANOTHER_RUNNER
 @pytest.mark.slow
 def test_sam_on_two_replicas_is_one_run(tmp_path):
     """torchrun's two processes (gloo) with SAM-ON through MMDistributedDataParallel: both

@@ -133,8 +133,9 @@ default_hooks = dict(timer=dict(type="IterTimerHook"), logger=dict(type="LoggerH
                      visualization=dict(type="DetVisualizationHook"))
 env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method="fork", opencv_num_threads=0),
                dist_cfg=dict(backend="nccl"))
-visualizer = dict(type="DetLocalVisualizer", vis_backends=[dict(type="LocalVisBackend")],
-                  name="visualizer")
+# no fixed name: the Runner names it after the run, so that several runs in one process (the
+# tests) each get their own rather than mmengine's "has been created" warning
+visualizer = dict(type="DetLocalVisualizer", vis_backends=[dict(type="LocalVisBackend")])
 log_processor = dict(type="LogProcessor", window_size=50, by_epoch=True)
 log_level = "INFO"
 load_from = None
