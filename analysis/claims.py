@@ -122,12 +122,7 @@ def compare(runs, a: str, b: str, metric: Optional[str] = None,
     left, right = _cell(runs, a), _cell(runs, b)
     metric = metric_of(Cell(left.runs + right.runs), metric)
     x, y = values(left, metric, every_run), values(right, metric, every_run)
-    tests = Comparisons()
-    tests.add(x, y)
-    result = tests.results()[0]
-    if result is None:
-        raise ValueError(f"{a} vs {b}: fewer than two runs on a side ({len(x)}, {len(y)})")
-    return Comparison(result[0], result[1], (len(x), len(y)))
+    return _tested(x, y, f"{a} vs {b}")
 
 
 def compare_gaps(runs, a: str, b: str, c: str, d: str,
@@ -139,11 +134,16 @@ def compare_gaps(runs, a: str, b: str, c: str, d: str,
     va, vb, vc, vd = (cell.values(metric) for cell in cells)
     x = [v - statistics.mean(vb) for v in va]
     y = [v - statistics.mean(vd) for v in vc]
+    return _tested(x, y, f"gap {a} - {b} vs {c} - {d}")
+
+
+def _tested(x: list[float], y: list[float], what: str) -> Comparison:
+    """``x`` against ``y`` as a table cell is tested against its baseline (``Comparisons``)."""
     tests = Comparisons()
     tests.add(x, y)
     result = tests.results()[0]
     if result is None:
-        raise ValueError(f"gap {a} - {b} vs {c} - {d}: fewer than two runs on a side")
+        raise ValueError(f"{what}: fewer than two runs on a side ({len(x)}, {len(y)})")
     return Comparison(result[0], result[1], (len(x), len(y)))
 
 
