@@ -179,3 +179,16 @@ def test_a_pattern_matching_no_norm_is_refused():
     model, _, _, _ = _build("llama")
     with pytest.raises(ValueError, match="include pattern '\\*.input_layer_norm' matches no norm"):
         unnorm.swap_norms(model, "un", include=["*.input_layer_norm"])
+
+
+@pytest.mark.parametrize("name", ["ln", "un", "bcn"])
+def test_norm_layer_builds_timm_vits_norms(name):
+    """timm's ViT passes ``norm_layer`` through ``get_norm_layer``, which unbinds a partial's
+    keywords and drops its positional arguments (a partial of build_norm lost the name)."""
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=3,
+        norm_layer=unnorm.norm_layer(name))
+    kinds = {type(module) for module in model.modules() if isinstance(module, unnorm.ChannelNorm)}
+    assert kinds == {type(unnorm.build_norm(name, 16))} and len(
+        [m for m in model.modules() if isinstance(m, unnorm.ChannelNorm)]) == 3
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 3)

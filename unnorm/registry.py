@@ -1,7 +1,6 @@
 """One switch for every norm: ``build_norm(name, num_features, **options)``."""
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable
@@ -93,7 +92,13 @@ def build_norm(name: str, num_features: int, **options) -> nn.Module:
 def norm_layer(name: str, **options) -> Callable[..., nn.Module]:
     """A ``norm_layer(dim, device=..., dtype=..., eps=...)`` constructor for host frameworks.
 
-    Option names are checked now, so a typo fails at configuration time, not mid-model.
+    Option names are checked now, so a typo fails at configuration time, not mid-model. A
+    function, not a ``functools.partial``: timm's ``get_norm_layer`` (ViT, ConvNeXt) unbinds
+    a partial's keywords and drops its positional arguments, the norm's name among them.
     """
     _check_options(name, options)
-    return functools.partial(build_norm, name, **options)
+
+    def layer(num_features: int, **kwargs) -> nn.Module:
+        return build_norm(name, num_features, **{**options, **kwargs})
+    layer.__name__ = layer.__qualname__ = f"norm_layer_{name}"
+    return layer
