@@ -213,6 +213,13 @@ class GuardedNorm(OfflineNorm):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.register_buffer("num_rejected", torch.zeros((), dtype=torch.long, device=device))
 
+    def register_buffer(self, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
+        """Statistics are float32 also when the norm is built under a half default dtype
+        (``from_pretrained(dtype=torch.bfloat16)``), as ``_apply`` keeps them under a cast."""
+        if tensor is not None and tensor.dtype in self._LOW_PRECISION:
+            tensor = tensor.float()
+        super().register_buffer(name, tensor, persistent)
+
     def _apply(self, fn, recurse=True):
         """Casting the module (``.half()``, ``.bfloat16()``, ``.to(dtype)``, as fairseq's
         ``--fp16`` does) leaves the running statistics in float32, as apex's

@@ -61,7 +61,6 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import unnorm
 from plugins.norms import norm_kwargs
 from plugins.scale import CONFIGS
-from unnorm.base import GuardedNorm
 
 PLACEMENTS = ("pre", "post", "peri", "mix")
 
@@ -352,10 +351,6 @@ class _NormFactory:
             with torch.no_grad():
                 for param in (norm.bn_weight, norm.bn_bias, norm.alpha):
                     param.zero_()
-        if isinstance(norm, GuardedNorm):  # running statistics in float32, as .to(dtype) keeps
-            for name, buffer in norm.named_buffers(recurse=False):  # them: also when built
-                if buffer.dtype in GuardedNorm._LOW_PRECISION:  # under a low default dtype
-                    setattr(norm, name, buffer.float())  # (from_pretrained(dtype=bfloat16))
         norm._lm_site = (site, placement)  # UnnormLlamaForCausalLM.initialize_weights
         return norm
 
