@@ -9,8 +9,8 @@
 #   window_size, momentum, components   UN's sweeps on Swin-T (Tables 6, 10, 5)
 #   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
 #   old_rule    UN, MABN, PN, PN_LS under the previous CPU rule (warm-up 40, compensation 1000)
-#   stability   every norm (and UN without outlier filtration) on T2T-ViT at 3x, 10x and 30x
-#               the recipe's learning rate (1x: the main runs)
+#   stability   every norm (and UN without outlier filtration) on T2T-ViT at 0.1x, 0.3x, 3x,
+#               10x, 30x and 100x the recipe's learning rate (1x: the main runs)
 #   lm          the Llama-style decoder: every norm in Pre placement, LN in Post, Peri and Mix
 #   lm_stability  Pre-/Post-/Peri-/Mix-LN, RMSNorm, UN, DyT and NoNorm at 3x and 10x the
 #               learning rate (1x: the lm runs)
@@ -21,8 +21,9 @@
 # then the tables, the stability figures, the LM loss curves, PNAC/statistics figures and CKA.
 #
 # Runs go to $OUT (checkpoints, statistics, logs); their records (result.json, config.yaml,
-# metrics.jsonl) are copied to results/runs/cpu, which scripts/make_tables.py reads. Runs that already have a result are skipped, so an interrupted reproduction
-# continues where it stopped. $JOBS runs at a time (default: one per core), one thread each.
+# metrics.jsonl) are copied to results/runs/cpu, which scripts/make_tables.py reads. Runs that
+# already have a result (in $OUT, or a committed record in $RECORDS) are skipped, so an
+# interrupted reproduction continues where it stopped, on this machine or a fresh one. $JOBS runs at a time (default: one per core), one thread each.
 #   bash scripts/reproduce_cpu.sh            # everything
 #   bash scripts/reproduce_cpu.sh lm lm_stability   # only these groups' runs
 #   bash scripts/reproduce_cpu.sh --list [group ...]   # the runs, one per line: <group>/<name> <overrides>
@@ -39,6 +40,9 @@ ANALYSED="swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln"  # statistics recorde
 
 MAIN_SEEDS="0 1 2 3 4"     # every norm at 1x on each task: the paper's count for IWSLT14
 PROBE_SEEDS="0 1 2"        # sweeps, ablations, probes and the stability ladder
+# the learning-rate ladder around the recipe's rate (1x: the main runs), log-spaced over three
+# decades as Wortsman et al. (2023) sweep theirs (1e-4, 3e-4, ..., 1e-1)
+LADDER="0.1 0.3 3 10 30 100"
 
 runs() {  # one line per run: <group>/<name> <overrides...>
   for seed in $MAIN_SEEDS; do  # detection first: the longest runs
@@ -78,7 +82,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
       for norm in pn pn_ls; do
         echo "old_rule/${model}_$norm-s$seed +exp=${model}_$norm norm.warmup_iters=40 seed=$seed"; done
     done
-    for lr in 3 10 30; do
+    for lr in $LADDER; do
       for norm in $NORMS; do
         echo "stability/t2t_vit_14_$norm-lr${lr}x-s$seed +exp=t2t_vit_14_$norm lr_multiple=$lr seed=$seed"; done
       echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
@@ -121,7 +125,8 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
 
 run_one() {  # <group>/<name> <overrides...>
   local name=$1; shift
-  [[ -f "$OUT/$name/result.json" ]] && return 0
+  # finished here, or recorded (committed) by an earlier grid on any machine
+  [[ -f "$OUT/$name/result.json" || -f "$RECORDS/$name/result.json" ]] && return 0
   mkdir -p "$OUT/$(dirname "$name")"
   if ! "$PY" scripts/train.py "$@" scale=cpu logger=none "hydra.run.dir=$OUT/$name" \
       > "$OUT/$name.log" 2>&1; then
@@ -131,7 +136,7 @@ run_one() {  # <group>/<name> <overrides...>
   echo "done $name"
 }
 export -f run_one
-export PY OUT
+export PY OUT RECORDS
 
 listing=0
 if [[ "${1:-}" == --list ]]; then listing=1; shift; fi
@@ -162,6 +167,7 @@ fi
 # again, so a later record of it (a re-run elsewhere, a relabelling) stays. Records of runs
 # that are not under $OUT (another machine's, an earlier grid's) stay too.
 for result in "$OUT"/*/*/result.json; do
+  [[ -f "$result" ]] || continue  # nothing finished under $OUT: the pattern itself
   run=$(dirname "$result")
   [[ -f "$run/.synced" && ! "$result" -nt "$run/.synced" ]] && continue
   dest="$RECORDS/$(basename "$(dirname "$run")")/$(basename "$run")"

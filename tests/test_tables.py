@@ -305,6 +305,28 @@ def test_reproduction_copies_each_runs_records_once(tmp_path):
     assert reproduce() == '{"status": "ok", "seed": 0}'
 
 
+def test_reproduction_resumes_from_committed_records(tmp_path):
+    """A grid started on a fresh machine (an empty $OUT) trains only the runs that have no
+    record in $RECORDS: what an earlier session committed is not trained again."""
+    records, calls = tmp_path / "records", tmp_path / "calls"
+    listing = subprocess.run(["bash", "scripts/reproduce_cpu.sh", "--list", "detection"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    names = [line.split()[0] for line in listing]
+    for name in names[1:]:  # every run but the first was committed earlier
+        (records / name).mkdir(parents=True)
+        (records / name / "result.json").write_text('{"status": "ok"}')
+    fake_python = tmp_path / "python"  # records each call; trains nothing
+    fake_python.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake_python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PY": str(fake_python), "OUT": str(tmp_path / "out"),
+           "RECORDS": str(records), "JOBS": "1"}
+    proc = subprocess.run(["bash", "scripts/reproduce_cpu.sh", "detection"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    trained = [line for line in calls.read_text().splitlines() if line.startswith("scripts/train.py")]
+    assert len(trained) == 1 and f"hydra.run.dir={tmp_path / 'out' / names[0]}" in trained[0]
+
+
 def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
     """``make_tables`` on the committed runs gives the committed tables: every number in them
     can be traced to a committed result.json."""
