@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from analysis.runs import (METHOD_NORMS, NORM_METHODS, STABILITY_KEY, TASK_METRIC, changes,
+from analysis.runs import (LOWER_IS_BETTER, METHOD_NORMS, NORM_METHODS, STABILITY_KEY, TASK_METRIC, changes,
                            ladder, method_order, option_value, override_value, setting, where)
+from analysis.sensitivity import MIN_RATES, chance_bound, sensitivity
 from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
 
 #: the ways of training through the norms (sam=..., train_only=...): tabled on their own
@@ -153,6 +154,50 @@ def stability_tables(runs: list[dict]) -> list[Table]:
                              "chance k/n: k finished no better than chance; the number is the mean "
                              f"of the others. vs {reference}: against {reference} at the same multiple.",
                              comparisons.note()]))
+    return tables
+
+
+def sensitivity_tables(runs: list[dict]) -> list[Table]:
+    """Learning-rate sensitivity per model (``analysis.sensitivity``): each setting's best rate,
+    its result there, its sensitivity with a bootstrap interval, and the comparison with the
+    reference (LN, Pre-LN) at each one's own best rate beside the one at the recipe's rate."""
+    tables = []
+    for (task, model, data), settings in sorted(ladder(runs).items()):
+        metric = TASK_METRIC[task]
+        digits = DIGITS.get(metric, 1)
+        bound = chance_bound([r for cells in settings.values() for rs in cells.values() for r in rs],
+                             metric)
+        reference = reference_method(task)
+        summaries = {label: sensitivity(points, metric, bound) for label, points in settings.items()}
+        comparisons = Comparisons(digits)
+        rows = []
+        for label in sorted(settings, key=method_order):
+            summary, points = summaries[label], settings[label]
+            at_best = Cell(points[summary["best"]])
+            lrs = summary["sensitivity"]
+            row: list = [label, f"{summary['best']:g}x", at_best.text(metric),
+                         "—" if lrs is None else f"{lrs:.{digits}f} [{summary['interval'][0]:.{digits}f}, "
+                                                 f"{summary['interval'][1]:.{digits}f}]"]
+            if label == reference or reference not in settings:
+                row += ["—", "—"]
+            else:
+                theirs = settings[reference]
+                row += [("", comparisons.add(at_best.values(metric),
+                                             Cell(theirs[summaries[reference]["best"]]).values(metric))),
+                        ("", comparisons.add(Cell(points.get(1.0, [])).values(metric),
+                                             Cell(theirs.get(1.0, [])).values(metric)))]
+            rows.append(row)
+        worse = "above" if metric in LOWER_IS_BETTER else "below"
+        tables.append(Table(
+            f"Learning-rate sensitivity: {model} {data}, {metric}",
+            ["setting", "best rate", f"{metric} at the best rate",
+             "sensitivity [95% bootstrap]", f"vs {reference}, each at its best", f"vs {reference} at 1x"],
+            with_tests(rows, comparisons),
+            [f"Sensitivity (Wortsman et al. 2023): the mean over the ladder's rates of how far "
+             f"{worse} its best a setting ends, each run bounded at the chance level "
+             f"({metric} {bound:.{digits}f}; a collapse counts there); '—' with fewer than "
+             f"{MIN_RATES} rates. Interval: percentile bootstrap over the seeds within each rate. "
+             f"Rates are multiples of the recipe's.", comparisons.note()]))
     return tables
 
 
@@ -425,7 +470,8 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
                     {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
                     runs, "norm.momentum"),
     ]
-    return (tables + lm_tables(runs) + stability_tables(runs) + sam_tables(runs, benchmarks)
+    return (tables + lm_tables(runs) + stability_tables(runs) + sensitivity_tables(runs)
+            + sam_tables(runs, benchmarks)
             + settings_tables(runs))
 
 

@@ -11,9 +11,9 @@
 #   old_rule    UN, MABN, PN, PN_LS under the previous CPU rule (warm-up 40, compensation 1000)
 #   stability   every norm (and UN without outlier filtration) on T2T-ViT at 0.1x, 0.3x, 3x,
 #               10x, 30x and 100x the recipe's learning rate (1x: the main runs)
-#   lm          the Llama-style decoder: every norm in Pre placement, LN in Post, Peri and Mix
-#   lm_stability  Pre-/Post-/Peri-/Mix-LN, RMSNorm, UN, DyT and NoNorm at 3x and 10x the
-#               learning rate (1x: the lm runs)
+#   lm          the Llama-style decoder: every norm in Pre placement, LN and RMSNorm in Post,
+#               Peri and Mix, Pre-LN with qk-layernorm and with z-loss
+#   lm_stability  each of those on the learning-rate ladder (0.1x to 100x; 1x: the lm runs)
 #   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
 #   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
 #               norm-only training with and without the head (three); the base optimizer: the
@@ -106,21 +106,36 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
       echo "lm/llama_cpu_$norm-s$seed +exp=llama_71m_$norm seed=$seed"; done
   done
   for seed in $PROBE_SEEDS; do
-    for position in post peri mix; do
-      echo "lm/llama_cpu_ln-$position-s$seed +exp=llama_71m_ln model.norm_position=$position seed=$seed"; done
+    lm_ladder_settings | grep -v '^llama_cpu_[a-z_]* +exp=[a-z0-9_]*$' | while read -r name overrides; do
+      echo "lm/$name-s$seed $overrides seed=$seed"; done
   done
-  for seed in $PROBE_SEEDS; do for lr in 3 10; do
-    for norm in ln rms un dyt nonorm; do
-      echo "lm_stability/llama_cpu_$norm-lr${lr}x-s$seed +exp=llama_71m_$norm lr_multiple=$lr seed=$seed"; done
-    for position in post peri mix; do
-      echo "lm_stability/llama_cpu_ln-$position-lr${lr}x-s$seed +exp=llama_71m_ln model.norm_position=$position lr_multiple=$lr seed=$seed"; done
+  # the ladder: two seeds a rate, three at 3x and 10x (the first ladder's rates) and at each
+  # setting's best rate (as the records rank them; analysis.sensitivity)
+  for seed in $PROBE_SEEDS; do for lr in $LADDER; do
+    lm_ladder_settings | while read -r name overrides; do
+      [[ $seed != 2 || $lr == 3 || $lr == 10 ]] || continue
+      echo "lm_stability/$name-lr${lr}x-s$seed $overrides lr_multiple=$lr seed=$seed"; done
   done; done
+  "$PY" -m analysis.sensitivity --best "$RECORDS/lm" "$RECORDS/lm_stability" "$OUT/lm" "$OUT/lm_stability" |
+    while read -r name lr; do
+      overrides=$(lm_ladder_settings | awk -v name="$name" '$1 == name {$1 = ""; print substr($0, 2)}')
+      [[ -n $overrides && $lr != 1 && $lr != 3 && $lr != 10 ]] || continue
+      echo "lm_stability/$name-lr${lr}x-s2 $overrides lr_multiple=$lr seed=2"
+    done
   # the same 737k training tokens (360 updates of 16 x 128) in 4x more or fewer updates; the
   # micro-batch is the batch, so that UN's and LN's statistics see the batch size swept
   for seed in $PROBE_SEEDS; do for norm in ln un; do
     echo "lm_batch/llama_cpu_$norm-b4-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=4 recipe.cpu.micro_batch_size=4 recipe.cpu.max_steps=1440 recipe.cpu.warmup_steps=144 recipe.cpu.eval_every=360 seed=$seed"
     echo "lm_batch/llama_cpu_$norm-b64-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30 seed=$seed"
   done; done
+}
+
+lm_ladder_settings() {  # the LM's settings on the learning-rate ladder: <name> <overrides>
+  for norm in $NORMS; do echo "llama_cpu_$norm +exp=llama_71m_$norm"; done
+  for position in post peri mix; do for norm in ln rms; do
+    echo "llama_cpu_$norm-$position +exp=llama_71m_$norm model.norm_position=$position"; done; done
+  echo "llama_cpu_ln-qk_ln +exp=llama_71m_ln model.qk_norm=ln"  # Wortsman et al.'s qk-layernorm
+  echo "llama_cpu_ln-zloss +exp=llama_71m_ln recipe.z_loss=0.0001"  # and their z-loss
 }
 
 run_one() {  # <group>/<name> <overrides...>

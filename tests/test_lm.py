@@ -72,6 +72,21 @@ def test_a_short_run_records_what_it_trained(norm, corpus_root, tmp_path):
                                 else "ok")
 
 
+def test_a_run_records_the_max_attention_logit_with_qk_norm_and_z_loss(corpus_root, tmp_path):
+    cfg = config("+exp=llama_71m_ln", "logger=none", "device=cpu", "scale.num_workers=0",
+                 f"data.root={corpus_root}", *TINY_MODEL, *TINY_RECIPE, "model.qk_norm=ln",
+                 "recipe.z_loss=1e-4")
+    result = train(cfg, tmp_path / "run")
+    assert result["status"] in FINISHED, result
+    epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for epoch in epochs:
+        per_layer = epoch["max_attn_logit_per_layer"]
+        assert len(per_layer) == 2 and epoch["max_attn_logit"] == max(per_layer) > 0
+    with pytest.raises(ValueError, match="recipe.z_loss"):
+        train(config("+exp=llama_71m_ln", "logger=none", f"data.root={corpus_root}",
+                     *TINY_MODEL, *TINY_RECIPE, "recipe.z_loss=-1"), tmp_path / "bad")
+
+
 @pytest.mark.parametrize("norm", ["bn", "pn", "mabn", "prepbn", "un"])
 def test_batch_statistics_see_the_future_and_per_position_norms_do_not(norm):
     """The probe changes every token after the middle one: training-mode logits before it move

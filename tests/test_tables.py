@@ -100,7 +100,8 @@ def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
 
 def test_stability_map_table_and_figure(tmp_path):
     runs = tmp_path / "runs"
-    t2t = {"model": "t2t_vit_14", "exp_data": "digits", "scale": "cpu"}
+    t2t = {"model": "t2t_vit_14", "exp_data": "digits", "scale": "cpu",
+           "chance": {"metric": "top1", "threshold": 15.0, "lower_is_better": False}}
     for seed in range(2):
         write_run(runs, f"mabn1_{seed}", norm="mabn", seed=seed, **t2t, metrics={"top1": 80.0})
         write_run(runs, f"mabn30_{seed}", norm="mabn", seed=seed, **t2t,

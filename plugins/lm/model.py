@@ -17,6 +17,14 @@ A: attention, M: the MLP):
   ``pre`` after, and the final norm (pixeli99/MixLN: layer ``i < POST_NUM`` is Post-LN, and its
   Llama keeps ``self.norm`` whatever the layers).
 
+In any placement, ``qk_norm`` (a registry name) puts a norm on each head's queries and keys
+(``plugins.lm.attention``). ``init`` picks the initialisation: ``hf`` (Hugging Face's Llama:
+every linear layer and the embeddings N(0, initializer_range)) or ``mixln`` (Mix-LN's release,
+``peft_pretraining/modeling_llama.py``, ``_init_weights``: the embeddings N(0, 2/5), std 0.63
+at every width, the linear layers as ``hf``; its scaled and Xavier initialisations mark layers
+only in its ``scale_pre``, ``scale_post_pre`` and ``deeppost`` norm types, not in the Pre, Post
+and Mix (``post_pre``) runs it reports).
+
 Site names follow Hugging Face's Llama (``input_layernorm``, ``post_attention_layernorm``) and,
 for the norms Llama lacks, Gemma 2's four-norm layer and Mix-LN's code
 (``pre_feedforward_layernorm``, ``post_feedforward_layernorm``).
@@ -62,6 +70,8 @@ import unnorm
 from plugins.norms import norm_kwargs
 from plugins.scale import CONFIGS
 
+from .attention import add_qk_norm
+
 PLACEMENTS = ("pre", "post", "peri", "mix")
 
 #: each layer placement's norm sites, in the order the forward applies them
@@ -86,7 +96,11 @@ DYT_LLM_ALPHAS = ((1024, 1.0, 1.0), (2048, 1.0, 0.5), (4096, 0.8, 0.2), (5120, 0
 
 #: the build options that are not LlamaConfig fields
 LM_OPTIONS = {"norm_position": "pre", "mix_post_fraction": 0.25, "embedding_norm": False,
-              "final_norm": None, "dyt_llm_recipe": True, "prepbn_llm_recipe": True}
+              "final_norm": None, "dyt_llm_recipe": True, "prepbn_llm_recipe": True,
+              "qk_norm": None, "init": "hf"}
+INITS = ("hf", "mixln")
+#: Mix-LN's release draws its token embeddings with this std at every width
+MIXLN_EMBEDDING_STD = math.sqrt(2 / 5)
 #: keys of a Hydra model config that are no model fields: its name, and its scale variants
 #: (``cpu:``), which the scale switch has already merged in
 _LABELS = {"name"} | {path.stem for path in (CONFIGS / "scale").glob("*.yaml")}
@@ -102,7 +116,8 @@ def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> "UnnormLlama
     rope_theta, rms_norm_eps, ...; ``context`` is ``max_position_embeddings``) and the
     placement options: ``norm_position`` (pre | post | peri | mix), ``mix_post_fraction``
     (0.25), ``embedding_norm`` (false), ``final_norm`` (null: as the placement says),
-    ``dyt_llm_recipe`` and ``prepbn_llm_recipe`` (true). ``name`` and the scale variants
+    ``dyt_llm_recipe`` and ``prepbn_llm_recipe`` (true), ``qk_norm`` (null, or a registry
+    norm on each head's queries and keys) and ``init`` (``hf`` or ``mixln``). ``name`` and the scale variants
     (``cpu:``) are labels the scale switch has already applied.
 
     The norms' ``eps`` is ``rms_norm_eps`` where the norm config leaves it unset; ``rms`` has
@@ -141,6 +156,8 @@ def place_norms(model: LlamaForCausalLM, config: "UnnormLlamaConfig",
     decoder = model.model
     for index, kind in enumerate(kinds):
         decoder.layers[index] = PlacedDecoderLayer(decoder.layers[index], config, kind, factory)
+        if options["qk_norm"] is not None:
+            add_qk_norm(decoder.layers[index].self_attn, lambda _: factory.build("qk_norm"))
     final_norm = options["final_norm"]
     if final_norm is None:
         final_norm = placement != "post"
@@ -172,6 +189,8 @@ class UnnormLlamaConfig(LlamaConfig):
     final_norm: bool | None = None
     dyt_llm_recipe: bool = True
     prepbn_llm_recipe: bool = True
+    qk_norm: str | None = None
+    init: str = "hf"
 
 
 class UnnormLlamaForCausalLM(LlamaForCausalLM):
@@ -197,6 +216,8 @@ class UnnormLlamaForCausalLM(LlamaForCausalLM):
         Face's ``init`` functions skip a tensor it loaded). Hugging Face dispatches the base
         model's modules to ``LlamaModel._init_weights``, so the norms are done here."""
         super().initialize_weights()
+        if lm_options(self.config)["init"] == "mixln":  # a loaded embedding is left alone
+            hf_init.normal_(self.model.embed_tokens.weight, 0.0, MIXLN_EMBEDDING_STD)
         factory = None
         for module in self.modules():
             if isinstance(module, NormedEmbedding) and module.scale is not None:
@@ -330,6 +351,17 @@ class _NormFactory:
             self.options["positions"] = config.max_position_embeddings  # per-position statistics
         if self.name == "pn_ls" and self.options.get("group_num") is None:
             self.options["group_num"] = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.qk_name = options["qk_norm"]
+        self.qk_options = {}
+        if self.qk_name is not None:  # the registry's defaults, and the model's eps
+            if self.qk_name not in unnorm.available_norms():
+                raise ValueError(f"qk_norm must be null or a registry norm "
+                                 f"({', '.join(unnorm.available_norms())}), got {self.qk_name!r}")
+            if "eps" in unnorm.option_names(self.qk_name):
+                self.qk_options["eps"] = config.rms_norm_eps
+            if self.qk_name == "rms":
+                self.qk_options["bias"] = False  # Qwen 3's and OLMo 2's: a weight only
         self.dyt_recipe = self.name == "dyt" and options["dyt_llm_recipe"]
         self.prepbn_recipe = self.name == "prepbn" and options["prepbn_llm_recipe"]
         if self.dyt_recipe:
@@ -340,7 +372,11 @@ class _NormFactory:
 
     def build(self, site: str, placement: Optional[str] = None) -> nn.Module:
         """The norm at ``site`` (a layer's site within ``placement``, or ``norm``/
-        ``embedding_norm``)."""
+        ``embedding_norm``/``qk_norm``: each head's queries or keys)."""
+        if site == "qk_norm":
+            norm = unnorm.build_norm(self.qk_name, self.head_dim, **self.qk_options)
+            norm._lm_site = (site, placement)
+            return norm
         options = dict(self.options)
         if self.dyt_recipe:
             attention, other = self.dyt_alphas
@@ -379,6 +415,9 @@ def _split_options(values: dict) -> tuple[dict, dict]:
     for flag in ("embedding_norm", "dyt_llm_recipe", "prepbn_llm_recipe"):
         if not isinstance(options[flag], bool):
             raise ValueError(f"{flag} must be true or false, got {options[flag]!r}")
+    if options["init"] not in INITS:
+        raise ValueError(f"init must be one of {', '.join(INITS)} (Hugging Face's Llama, or "
+                         f"Mix-LN's release), got {options['init']!r}")
     if options["final_norm"] not in (None, True, False):
         raise ValueError(f"final_norm must be null (as the placement says), true or false, got "
                          f"{options['final_norm']!r}")

@@ -28,6 +28,7 @@ from plugins.training import (Checkpointer, Distributed, amp_context, begin_run,
                               epoch_plan, load_weights, run_task)
 
 from .data import prepare_corpus, unigram_loss
+from .attention import max_attention_logits
 from .leak import future_leak, training_copy
 from .model import build_lm
 
@@ -35,7 +36,7 @@ from .model import build_lm
 RANGES = {"model.context": ">= 1", "recipe.max_steps": ">= 1", "recipe.warmup_steps": ">= 0",
           "recipe.min_lr_ratio": "in [0, 1]", "recipe.batch_size": ">= 1",
           "recipe.micro_batch_size": ">= 1", "recipe.lr": "> 0", "recipe.weight_decay": ">= 0",
-          "recipe.clip_grad": "null or > 0", "recipe.eval_every": ">= 1",
+          "recipe.clip_grad": "null or > 0", "recipe.z_loss": ">= 0", "recipe.eval_every": ">= 1",
           "recipe.eval_tokens": ">= 1", "recipe.interval_eval_tokens": ">= 1"}
 EVAL_BUDGETS = ("recipe.eval_tokens", "recipe.interval_eval_tokens")  # each >= one context
 
@@ -58,6 +59,12 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str 
     """Cross-entropy of the logits (float32) against the next tokens."""
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                              reduction=reduction)
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Mean squared log-partition of the logits (float32), ``log(Z)^2``: the auxiliary loss
+    (PaLM; Wortsman et al. 2023, weight 1e-4) that keeps the output logits from drifting."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
 @torch.no_grad()
@@ -147,7 +154,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         inputs, targets = (t.to(device, non_blocking=True) for t in batch)
         with amp():
             logits = net(input_ids=inputs).logits
-        return next_token_loss(logits, targets)
+        loss = next_token_loss(logits, targets)
+        return loss + recipe.z_loss * z_loss(logits) if recipe.z_loss else loss
 
     def scores(epoch: int) -> dict:
         elapsed, updates = time.time() - clock["started"], (epoch + 1) * updates_per_epoch - clock["step"]
@@ -156,6 +164,9 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         metrics = {**validation_loss(model, val_set if last else interval_set, micro_batch, world, amp),
                    "tokens": (epoch + 1) * updates_per_epoch * tokens_per_update,
                    "tokens_per_s": updates * tokens_per_update / max(elapsed, 1e-9)}
+        with amp():  # Wortsman et al.'s instability: the largest attention logit, per layer
+            per_layer = max_attention_logits(model, probe_inputs.to(device))
+        metrics.update(max_attn_logit=max(per_layer), max_attn_logit_per_layer=per_layer)
         if last:  # as trained: PRepBN, say, pools over positions only once its hand-over starts
             probe = fsdp.unsharded_copy(model, lambda: build_lm(
                 cfg.model, cfg.norm, vocab_size=corpus.vocab_size)) if sharded else model
