@@ -14,6 +14,8 @@
 #   lm          the Llama-style decoder: every norm in Pre placement, LN and RMSNorm in Post,
 #               Peri and Mix, Pre-LN with qk-layernorm and with z-loss
 #   lm_stability  each of those on the learning-rate ladder (0.1x to 100x; 1x: the lm runs)
+#   lm_init     Pre-, Post-, Peri- and Mix-LN with Peri-LN's embedding norm, and with Mix-LN's
+#               release initialisation
 #   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
 #   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
 #               norm-only training with and without the head (three); the base optimizer: the
@@ -101,6 +103,12 @@ runs() {  # one line per run: <group>/<name> <overrides...>
 }
 
 lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
+  # the placements under the two embedding scales that flip them: Peri-LN's embedding norm on
+  # every placement, and Mix-LN's release initialisation (the testbed's: the lm runs)
+  for seed in $PROBE_SEEDS; do for position in pre post peri mix; do
+    echo "lm_init/llama_cpu_ln-$position-embnorm-s$seed +exp=llama_71m_ln model.norm_position=$position model.embedding_norm=true seed=$seed"
+    echo "lm_init/llama_cpu_ln-$position-mixln-s$seed +exp=llama_71m_ln model.norm_position=$position model.init=mixln seed=$seed"
+  done; done
   for seed in $MAIN_SEEDS; do
     for norm in $NORMS; do
       echo "lm/llama_cpu_$norm-s$seed +exp=llama_71m_$norm seed=$seed"; done
