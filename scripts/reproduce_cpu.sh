@@ -119,11 +119,11 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
   done
   # the ladder: two seeds a rate, three at 3x and 10x (the first ladder's rates) and at each
   # setting's best rate (as the records rank them; analysis.sensitivity)
-  for seed in $PROBE_SEEDS; do for lr in $LADDER; do
-    lm_ladder_settings | while read -r name overrides; do
+  lm_ladder_settings | while read -r name overrides; do
+    for seed in $PROBE_SEEDS; do for lr in $LADDER; do
       [[ $seed != 2 || $lr == 3 || $lr == 10 ]] || continue
-      echo "lm_stability/$name-lr${lr}x-s$seed $overrides lr_multiple=$lr seed=$seed"; done
-  done; done
+      echo "lm_stability/$name-lr${lr}x-s$seed $overrides lr_multiple=$lr seed=$seed"; done; done
+  done
   "$PY" -m analysis.sensitivity --best "$RECORDS/lm" "$RECORDS/lm_stability" "$OUT/lm" "$OUT/lm_stability" |
     while read -r name lr; do
       overrides=$(lm_ladder_settings | awk -v name="$name" '$1 == name {$1 = ""; print substr($0, 2)}')
@@ -139,11 +139,16 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
 }
 
 lm_ladder_settings() {  # the LM's settings on the learning-rate ladder: <name> <overrides>
-  for norm in $NORMS; do echo "llama_cpu_$norm +exp=llama_71m_$norm"; done
-  for position in post peri mix; do for norm in ln rms; do
-    echo "llama_cpu_$norm-$position +exp=llama_71m_$norm model.norm_position=$position"; done; done
-  echo "llama_cpu_ln-qk_ln +exp=llama_71m_ln model.qk_norm=ln"  # Wortsman et al.'s qk-layernorm
-  echo "llama_cpu_ln-zloss +exp=llama_71m_ln recipe.z_loss=0.0001"  # and their z-loss
+  # first what validates the testbed on Wortsman et al.'s findings: Pre-LN with and without
+  # qk-layernorm and z-loss, Post-LN
+  echo "llama_cpu_ln +exp=llama_71m_ln"
+  echo "llama_cpu_ln-qk_ln +exp=llama_71m_ln model.qk_norm=ln"
+  echo "llama_cpu_ln-post +exp=llama_71m_ln model.norm_position=post"
+  echo "llama_cpu_ln-zloss +exp=llama_71m_ln recipe.z_loss=0.0001"
+  for norm in $NORMS; do [[ $norm == ln ]] || echo "llama_cpu_$norm +exp=llama_71m_$norm"; done
+  for position in peri mix; do echo "llama_cpu_ln-$position +exp=llama_71m_ln model.norm_position=$position"; done
+  for position in post peri mix; do
+    echo "llama_cpu_rms-$position +exp=llama_71m_rms model.norm_position=$position"; done
 }
 
 run_one() {  # <group>/<name> <overrides...>
