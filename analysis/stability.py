@@ -1,5 +1,6 @@
 """The stability map as a figure: the final metric against the learning-rate multiple, one line
-per setting, collapsed runs and runs that finished at chance marked.
+per setting (its learning-rate sensitivity in the legend, ``analysis.sensitivity``), collapsed
+runs and runs that finished at chance marked.
 
     python -m analysis.stability [--runs results/runs] [--out results/analysis/stability]
 
@@ -13,10 +14,13 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Optional
 
 from matplotlib.figure import Figure
 
 from .plots import save_figure
+from .sensitivity import chance_bound, sensitivity
+from .significance import DIGITS
 from .runs import (LOWER_IS_BETTER, STABILITY_KEY, TASK_METRIC, figure_args, ladder, load_runs,
                    method_order)
 
@@ -30,11 +34,11 @@ def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
 
 
 def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, metric: str,
-                   path: Path) -> Path:
+                   path: Path, legend: Optional[dict[str, str]] = None) -> Path:
     """Mean metric of the runs that learned (line) per multiple; hollow circles mark runs that
     finished at chance (at their metric); an x at the worst edge (the bottom, or the top where
     lower is better) marks each multiple where runs collapsed, labelled with the collapsed
-    fraction."""
+    fraction. ``legend``: each setting's legend text (default: its label)."""
     fig = Figure(figsize=(7.5, 4.8))
     ax = fig.add_subplot()
     colours = [f"C{i}" for i in range(10)]
@@ -46,7 +50,7 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
         multiples = sorted(cells)
         finished = [(m, statistics.mean(cells[m]["ok"])) for m in multiples if cells[m]["ok"]]
         if finished:
-            ax.plot(*zip(*finished), marker="o", color=colour, label=label)
+            ax.plot(*zip(*finished), marker="o", color=colour, label=(legend or {}).get(label, label))
         for m in multiples:
             chance = cells[m]["chance"]
             if chance:
@@ -77,9 +81,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"no runs with {STABILITY_KEY} under {args.runs}: run the ladder first "
                          "(python scripts/train.py +exp=<exp> scale=cpu +sweep=stability)")
     for (task, model, data), settings in sorted(points.items()):
-        name = f"{model}_{data}"
-        plot_stability(settings, f"Stability: {model} on {data}", TASK_METRIC[task],
-                       args.out / f"{name}.png")
+        name, metric = f"{model}_{data}", TASK_METRIC[task]
+        bound = chance_bound([r for cells in settings.values() for rs in cells.values() for r in rs],
+                             metric)
+        legend = {}
+        for label, cells in settings.items():
+            lrs = sensitivity(cells, metric, bound)["sensitivity"]
+            legend[label] = label if lrs is None else f"{label} (sensitivity {lrs:.{DIGITS.get(metric, 1)}f})"
+        plot_stability(settings, f"Stability: {model} on {data}", metric,
+                       args.out / f"{name}.png", legend)
         serialisable = {label: {f"{m:g}": outcomes(settings[label][m], TASK_METRIC[task])
                                 for m in sorted(settings[label])}
                         for label in sorted(settings, key=method_order)}

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from analysis.runs import (LOWER_IS_BETTER, METHOD_NORMS, NORM_METHODS, STABILITY_KEY, TASK_METRIC, changes,
-                           ladder, method_order, option_value, override_value, setting, where)
+from analysis.runs import (LOWER_IS_BETTER, METHOD_NORMS, NORM_METHODS, PLACEMENT_NAMES, STABILITY_KEY,
+                           TASK_METRIC, changes, ladder, method_order, option_value, override_value,
+                           setting, where)
 from analysis.sensitivity import MIN_RATES, chance_bound, sensitivity
 from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
 
@@ -342,7 +343,60 @@ def lm_tables(runs: list[dict]) -> list[Table]:
         if any(override_value(r, BATCH_KEY) is not None for r in group):
             tables.append(batch_table(place, group, sorted({r["batch_size"] for r in group
                                                             if "batch_size" in r})))
+        if any(override_value(r, key) is not None for r in group for key in EMBEDDING_SCALES[1:]):
+            tables.append(embedding_scale_table(place, group))
     return tables
+
+
+#: the settings that set the embeddings' scale: the testbed's initialisation (none), Peri-LN's
+#: embedding norm on every placement, Mix-LN's release initialisation
+EMBEDDING_SCALES = (None, "model.embedding_norm", "model.init")
+_SCALE_VALUES = {"model.embedding_norm": "true", "model.init": "mixln"}
+_SCALE_NAMES = {None: "testbed init (std 0.057)", "model.embedding_norm": "embedding norm",
+                "model.init": "Mix-LN init (embeddings std 0.63)"}
+
+
+def embedding_scale_table(place: tuple, group: list[dict]) -> Table:
+    """LN's placements under each embedding scale, each against Pre-LN under the same one, and
+    whether a placement's comparison holds under all three (the same sign, p < 0.05 in each)."""
+    def runs_of(placement: str, key) -> list[dict]:
+        return [r for r in group if r.get("norm") == "ln" and r.get("norm_position") == placement
+                and all(override_value(r, k) == (_SCALE_VALUES[k] if k == key else None)
+                        for k in EMBEDDING_SCALES[1:])
+                and changes(r, ("model.norm_position", *EMBEDDING_SCALES[1:])) == []]
+
+    comparisons, rows, verdicts = Comparisons(DIGITS["val_loss"]), [], {}
+    for placement in PLACEMENT_NAMES:
+        row: list = [f"{PLACEMENT_NAMES[placement]}-LN"]
+        for key in EMBEDDING_SCALES:
+            cell, pre = Cell(runs_of(placement, key)), Cell(runs_of("pre", key))
+            row.append(cell.text("val_loss") if placement == "pre" or not cell.runs else
+                       (cell.text("val_loss"), comparisons.add(cell.values("val_loss"),
+                                                               pre.values("val_loss"))))
+        rows.append(row)
+    results = comparisons.results()
+    index = 0
+    for row in rows[1:]:
+        tested = [results[index + i] for i, cell in enumerate(row[1:]) if not isinstance(cell, str)]
+        index += len(tested)
+        signs = {(r[0] > 0) for r in tested if r is not None and r[1] is not None and r[1] < 0.05}
+        held = (len(tested) == len(EMBEDDING_SCALES) and all(r is not None and r[1] is not None
+                                                             and r[1] < 0.05 for r in tested)
+                and len(signs) == 1)
+        verdicts[row[0]] = ("holds: " + ("worse" if signs.pop() else "better") if held else
+                            "depends on the embedding scale" if len(tested) == len(EMBEDDING_SCALES)
+                            else "incomplete")
+    rows = with_tests(rows, comparisons, "; vs Pre-LN ")
+    for row in rows:
+        row.append(verdicts.get(row[0], "—"))
+    return Table(f"Language modelling: {place[1]} {place[2]}, placement under the embedding scale",
+                 ["setting", *(_SCALE_NAMES[k] for k in EMBEDDING_SCALES), "vs Pre-LN under all three"],
+                 rows,
+                 ["Validation loss (nats); each placement against Pre-LN under the same embedding "
+                  "scale. 'holds': the same sign and p < 0.05 under all three; otherwise the "
+                  "comparison depends on the embedding scale. Embedding norm: Peri-LN's norm on "
+                  "the embeddings (model.embedding_norm=true), on every placement; Mix-LN init: "
+                  "its release's embeddings N(0, 2/5) (model.init=mixln).", comparisons.note()])
 
 
 def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:

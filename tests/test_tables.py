@@ -279,6 +279,27 @@ def test_table8_prints_speedups_with_their_interval_beside_the_no_norm_limit(tmp
     assert row[4] == "10.0% [3.0%, 15.0%]"  # the memory reduction, its interval reversed
 
 
+def test_placements_under_each_embedding_scale(tmp_path):
+    """Each placement against Pre-LN under the same embedding scale; a comparison that keeps
+    its sign and significance under all three holds, the others depend on the scale."""
+    runs = tmp_path / "runs"
+    losses = {  # placement -> (testbed, embedding norm, Mix-LN init)
+        "pre": (3.9, 3.6, 3.6), "post": (3.6, 3.3, 3.3), "peri": (4.2, 3.6, 3.6), "mix": (3.6, 3.6, 3.6)}
+    scales = ([], ["model.embedding_norm=true"], ["model.init=mixln"])
+    for position, values in losses.items():
+        for scale, loss in zip(scales, values):
+            for seed in range(3):
+                write_lm_run(runs, f"{position}-{len(scale) and scale[0]}-{seed}", "ln", seed,
+                             loss + 0.01 * seed, position=position,
+                             overrides=[f"model.norm_position={position}", *scale])
+    markdown = make_tables(runs, tmp_path / "out")
+    title = "Language modelling: llama_cpu lm_cpu, placement under the embedding scale"
+    assert table_row(markdown, title, "Post-LN")[-1] == "holds: better"
+    assert table_row(markdown, title, "Peri-LN")[-1] == "depends on the embedding scale"
+    assert table_row(markdown, title, "Mix-LN")[-1] == "depends on the embedding scale"
+    assert table_row(markdown, title, "Post-LN")[2].startswith("3.310 ± 0.010 (n=3)†; vs Pre-LN -0.300 (p=")
+
+
 def test_reproduction_copies_each_runs_records_once(tmp_path):
     """reproduce_cpu.sh copies a finished run's records to $RECORDS, and not again: a record
     changed after the copy (a relabelling, a re-run on another machine) is not overwritten by
