@@ -7,6 +7,8 @@ from typing import Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from plugins.model_options import check_model_options
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options counted in steps
 _ABSENT = object()
@@ -44,7 +46,8 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
     embedded data, a short schedule, and the norms' step counts shrunk with it. The scale
     only supplies defaults: every value the command line set (``overrides``, Hydra's
     ``key=value`` strings) is kept as given. The values that will run are checked against
-    ``ranges`` and ``COMMON_RANGES`` (``check_ranges``) before anything computes with them."""
+    ``ranges`` and ``COMMON_RANGES`` (``check_ranges``) before anything computes with them,
+    and a layer option the task does not have is refused (``check_model_options``)."""
     given = cfg
     cfg = cfg.copy()
     scale = cfg.scale
@@ -60,6 +63,7 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
     for key in explicit:
         OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
     check_ranges(cfg, {**COMMON_RANGES, **ranges})
+    check_model_options(cfg)
     if scale.scale_norm_steps:  # against the schedule that runs, command-line values included
         factor = lr_warmup_steps(cfg, cfg.scale.get("max_steps_per_epoch")) / lr_warmup_steps(given)
         cfg.scale.norm_step_factor = factor

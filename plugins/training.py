@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
 from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
+from plugins.model_options import carry_standardization, standardized_in_run, standardized_layers
 from plugins.norms import fit_norm_to_run
 from plugins.runlog import RunDirectory, RunFolderInUse, run_folder_lock, save_atomic
 from plugins.scale import effective_config
@@ -296,14 +297,19 @@ def load_weights(model: nn.Module, path: str, reset_steps: bool, *, ignore: Sequ
     shape only under a ``resizable`` prefix (the classifier of a task with other classes): it
     stays new, and the returned description names it. Any other difference is an error that
     names every tensor; a norm's windows of another length reach the norm's own check, which
-    names ``window_size``. ``reset_steps`` restarts UN/MABN/PN step counters, so their
-    warm-up runs again on the new task. ``trusted``: ``trust_checkpoint=true``.
+    names ``window_size``. Weight-standardised layers compute what they computed there
+    (``plugins.model_options.carry_standardization``). ``reset_steps`` restarts UN/MABN/PN
+    step counters, so their warm-up runs again on the new task. ``trusted``:
+    ``trust_checkpoint=true``.
     """
     if not Path(path).exists():
         raise FileNotFoundError(f"init_from checkpoint not found: {path}")
-    state = read_checkpoint(Path(path), "init_from", trusted=trusted)
-    state = state.get("model_ema") or state["model"]
+    saved = read_checkpoint(Path(path), "init_from", trusted=trusted)
+    state = saved.get("model_ema") or saved["model"]
     state = {k: v for k, v in state.items() if not k.startswith(tuple(ignore))}
+    source = OmegaConf.create(saved["config"]).model if saved.get("config") else {}
+    carry_standardization(state, standardized_in_run(source, model, state),
+                          standardized_layers(model), f"init_from: {path}")
     own = model.state_dict()
     resized = {k: (tuple(state[k].shape), tuple(own[k].shape)) for k in state
                if k in own and state[k].shape != own[k].shape}

@@ -6,7 +6,10 @@
 
 Every norm becomes part of the linear layer that reads it (qkv, fc1, patch-merging reduction,
 head; a detector's FPN laterals) or, where none does directly, a frozen per-channel affine
-(a DyT there stays whole; folded elsewhere, it leaves its elementwise tanh).
+(a DyT there stays whole; folded elsewhere, it leaves its elementwise tanh). SepNorm's two
+norms (``model.class_norm``) each become a frozen affine; weight-standardised layers
+(``model.weight_standardization``) first become plain layers holding their standardised
+weights (``unnorm.bake_standardized_weights``, exact).
 The script checks that the folded model's eval outputs (a detector's FPN features) match the
 original on random inputs and prints the error.
 """
@@ -36,7 +39,11 @@ def _model(cfg, weights: dict) -> torch.nn.Module:
 
 
 def _fold(cfg, model: torch.nn.Module) -> dict:
-    return fold_detector(model) if cfg.task == "detection" else fold_model(model)
+    """Fold ``model``'s norms; its weight-standardised layers (``model.weight_standardization``)
+    first become plain layers holding their standardised weights (exact), which take a fold."""
+    baked = unnorm.bake_standardized_weights(model)
+    done = fold_detector(model) if cfg.task == "detection" else fold_model(model)
+    return {**done, "baked": baked}
 
 
 def load_folded(path: Path, trusted: bool = False) -> torch.nn.Module:
@@ -65,9 +72,11 @@ def main(argv=None) -> None:
         sys.exit(f"no checkpoint at {path}: pass a run directory or its last.pt")
     saved = load_checkpoint(path, trusted=args.trust_checkpoint, opt_in="--trust-checkpoint")
     cfg = OmegaConf.create(saved["config"])
-    if not unnorm.is_foldable(cfg.norm.name):
-        sys.exit(f"{cfg.norm.name} is an online norm: nothing to fold (foldable: "
-                 f"{[n for n in unnorm.available_norms() if unnorm.is_foldable(n)]})")
+    norms = {"norm": cfg.norm.name, "model.class_norm": cfg.model.get("class_norm")}
+    for option, name in norms.items():
+        if name is not None and not unnorm.is_foldable(name):
+            sys.exit(f"{option}={name} is an online norm: it does not fold (foldable: "
+                     f"{[n for n in unnorm.available_norms() if unnorm.is_foldable(n)]})")
     weights = saved["model_ema"] if args.ema else saved["model"]
     if weights is None:
         sys.exit("this run kept no EMA weights; drop --ema")
@@ -87,7 +96,8 @@ def main(argv=None) -> None:
     out = args.out or path.with_name("folded.pt")
     torch.save({"model": model.state_dict(), "config": saved["config"], "fold": done}, out)
     print(f"folded {done['folded']} norms into linear layers, {done['affine']} into frozen "
-          f"affines, kept {done['kept']} whole; max relative output change {error:.2e}; wrote {out}")
+          f"affines, kept {done['kept']} whole (weight-standardised layers baked first: "
+          f"{done['baked']}); max relative output change {error:.2e}; wrote {out}")
 
 
 if __name__ == "__main__":

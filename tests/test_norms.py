@@ -29,8 +29,10 @@ STATEFUL = {
 }
 QUICK_OPTIONS = {**STATEFUL, "ln": {}, "rms": {}, "nonorm": {}, "dyt": {}, "evonorm_s0": {}}
 assert set(QUICK_OPTIONS) == set(unnorm.available_norms())
-#: the norms that have no experiments (+exp=<model>_<norm>) yet: issue 33 (item 6) adds them;
-#: the end-to-end tests run the norms that have them (``with_experiments``)
+#: the norms without a per-norm experiment file (+exp=<model>_<norm>): they run as
+#: +exp=<model> norm=<norm> where configs/exp/<model>.yaml exists (not the language models;
+#: tests/test_model_options.py trains T2T-ViT with bcn and evonorm_s0); the end-to-end tests
+#: here run the norms with a file (``with_experiments``)
 WITHOUT_EXPERIMENTS = {"bcn", "evonorm_b0", "evonorm_s0"}
 
 

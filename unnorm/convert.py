@@ -34,6 +34,7 @@ from torch import nn
 from .base import ChannelNorm, channel_mean_sq, upcast
 from .simple import LayerNorm, RMSNorm
 from .swap import replace_module
+from .ws import StandardizedWeight
 
 Writer = Union[nn.Module, torch.Tensor]
 _WRITER_TYPES = "nn.Linear, nn.Conv2d, nn.Embedding or a tensor whose last axis is the stream"
@@ -80,9 +81,22 @@ def _layer_norm_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return gamma, beta
 
 
+def _check_not_standardized(modules: Mapping[str, object]) -> None:
+    """Refuse weight-standardised layers, by name: they standardise their weight in every
+    forward, which would undo what the conversion does to it."""
+    standardized = [name for name, module in modules.items()
+                    if isinstance(module, StandardizedWeight)]
+    if standardized:
+        raise ValueError(f"{', '.join(standardized)}: weight-standardised (the weight is "
+                         "standardised again in every forward, which would undo the conversion's "
+                         "change to it); bake such layers first (unnorm.bake_standardized_weights"
+                         "(model), exact for inference), then convert")
+
+
 def _check_writer(writer: Writer) -> None:
     if isinstance(writer, torch.Tensor):
         return
+    _check_not_standardized({repr(writer): writer})
     if not isinstance(writer, (nn.Linear, nn.Conv2d, nn.Embedding)):
         raise TypeError(f"cannot centre {type(writer).__name__}: a stream writer must be an "
                         f"{_WRITER_TYPES}; for another module, name the linear layer or "
@@ -90,6 +104,7 @@ def _check_writer(writer: Writer) -> None:
 
 
 def _check_readers(norm_name: str, width: int, readers: Sequence[nn.Module]) -> None:
+    _check_not_standardized({f"{norm_name}'s reader {reader!r}": reader for reader in readers})
     for reader in readers:
         if not isinstance(reader, nn.Linear) or reader.in_features != width:
             raise ValueError(f"{norm_name}: a reader must be an nn.Linear with in_features={width} "
@@ -243,6 +258,8 @@ def _check_plan(model: nn.Module, writers: Sequence[str], readers: Mapping[str, 
     twice or of the wrong kind, an unsupported writer."""
     if not writers:
         raise ValueError("no writers given: name every module or tensor that adds into the stream")
+    layers = [*writers, *(name for names in readers.values() for name in names)]
+    _check_not_standardized({name: _resolve(model, name) for name in layers})
     for name in writers:
         _check_writer(_resolve(model, name))
     seen: set[str] = set()

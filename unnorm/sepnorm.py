@@ -1,8 +1,10 @@
-"""Separate normalization of the class token (SepNorm: Chen, Hu, Xu, Hughes and Liu, "On
+"""Separate normalization of the class token (SepNorm: Chen, Wang, Du, Hassoun and Liu, "On
 Separate Normalization in Self-supervised Transformers", NeurIPS 2023; release:
 tufts-ml/SepNorm, ``SepNorm.ipynb``, class ``SepNorm``): the [CLS] token normalised by a norm
 of its own (``nn.BatchNorm1d`` over the batch's class tokens in the release), the other tokens
-by the token norm (``nn.LayerNorm``).
+by the token norm (``nn.LayerNorm``). Where: the release's README says "Replace the
+normalization layer with SepNorm", a drop-in module for any norm: every norm the class token
+passes (the trainers' ``model.class_norm_sites=all``), not only the final one.
 
 Not a registry name: it composes two registry norms (or any norm module for the tokens) and is
 defined only for models with a class token, so it wraps a model's norms

@@ -11,18 +11,24 @@ scalar ``alpha`` stay as they are), as mmdet's own ``swin_converter`` does for L
 Step counters are reset by ``unnorm.reset_steps`` on the classifier the checkpoint describes:
 UN, MABN and PN warm up again on the detection task, as the release does; PRepBN keeps its
 finished hand-over, as SLAB fine-tunes.
+Weight-standardised layers (``model.weight_standardization``) are written with their
+standardised weights, so mmdet's plain layers compute what the classifier did; the mmdet
+backend keeps them raw where its detector standardises the same layers.
 """
 from __future__ import annotations
 
 import argparse
 import re
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 from omegaconf import OmegaConf
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
+from plugins.model_options import carry_standardization, standardized_layers
 
 _DROPPED = ("head.", "norm.")  # the classifier and its final norm
 _RENAMES = [(r"^patch_embed\.proj\.", "patch_embed.projection."),
@@ -41,6 +47,20 @@ def unfold_order(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return blocks.transpose(-1, -2).reshape(moved.shape).movedim(-1, dim)
 
 
+_MERGING = r"^layers\.(\d+)\.downsample\.(norm|reduction)\.(.+)$"
+
+
+def mmdet_key(key: str) -> str:
+    """A timm SwinTransformer state-dict key as the mmdet backbone's, prefixed ``backbone.``."""
+    merging = re.match(_MERGING, key)
+    if merging:
+        stage, part, leaf = merging.groups()
+        return f"backbone.stages.{int(stage) - 1}.downsample.{part}.{leaf}"
+    for pattern, replacement in _RENAMES:
+        key = re.sub(pattern, replacement, key)
+    return "backbone." + key
+
+
 def timm_to_mmdet(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A timm SwinTransformer state dict as mmdet ``SwinTransformer`` weights, prefixed
     ``backbone.`` (the layout only: values, step counters included, are carried over)."""
@@ -48,26 +68,28 @@ def timm_to_mmdet(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     for key, value in state_dict.items():
         if key.startswith(_DROPPED):
             continue
-        merging = re.match(r"^layers\.(\d+)\.downsample\.(norm|reduction)\.(.+)$", key)
+        merging = re.match(_MERGING, key)
         if merging:
             stage, part, leaf = merging.groups()
-            key = f"stages.{int(stage) - 1}.downsample.{part}.{leaf}"
             merged = state_dict[f"layers.{stage}.downsample.reduction.weight"].shape[1]  # 4C
             if part == "reduction" and leaf == "weight":
                 value = unfold_order(value, 1)
             elif part == "norm" and value.ndim >= 1 and value.shape[-1] == merged:
                 value = unfold_order(value, -1)
-        else:
-            for pattern, replacement in _RENAMES:
-                key = re.sub(pattern, replacement, key)
-        converted["backbone." + key] = value
+        converted[mmdet_key(key)] = value
     return converted
 
 
-def convert_checkpoint(saved: dict, reset_steps: bool, ema: bool = True) -> dict[str, torch.Tensor]:
+def convert_checkpoint(saved: dict, reset_steps: bool, ema: bool = True,
+                       standardized: Mapping[str, tuple[float, str]] = MappingProxyType({})
+                       ) -> dict[str, torch.Tensor]:
     """mmdet Swin backbone weights from one of our classification checkpoints (``last.pt``:
     its ``config`` describes the classifier): its EMA weights when it kept them and ``ema``,
-    step counters restarted by ``unnorm.reset_steps`` when ``reset_steps``."""
+    step counters restarted by ``unnorm.reset_steps`` when ``reset_steps``. A layer the
+    classifier weight-standardised keeps its raw weight where the detector standardises it
+    too (``standardized``: the detector's layers, ``plugins.model_options.standardized_layers``)
+    and gets its standardised weight elsewhere, so the backbone computes what the classifier
+    did (``carry_standardization``; by default every one: plain mmdet weights)."""
     from timm.models.swin_transformer import SwinTransformer
 
     from plugins.timm import model_from_config
@@ -85,7 +107,10 @@ def convert_checkpoint(saved: dict, reset_steps: bool, ema: bool = True) -> dict
     classifier.load_state_dict((ema and saved.get("model_ema")) or saved["model"])
     if reset_steps:
         unnorm.reset_steps(classifier)
-    return timm_to_mmdet(classifier.state_dict())
+    source = {mmdet_key(f"{name}.weight").removesuffix(".weight"): form
+              for name, form in standardized_layers(classifier).items()}
+    return carry_standardization(timm_to_mmdet(classifier.state_dict()), source, standardized,
+                                 "init_from (the classifier's weights)")
 
 
 def main() -> None:

@@ -36,16 +36,18 @@ Conventions shared with the other trainers:
 """
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import logging
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from mmdet.datasets.samplers import AspectRatioBatchSampler
+from mmcv.cnn import Conv2d, Linear
 from mmdet.registry import DATA_SAMPLERS
 from mmengine.config import Config
 from mmengine.hooks import Hook
@@ -59,6 +61,7 @@ from timm.optim import create_optimizer_v2
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
+from plugins.model_options import as_patterns, standardize_layers, standardized_layers
 from plugins.norms import norm_kwargs
 from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
                             record_collapse, rejected_steps, run_logger, run_meta, save_atomic)
@@ -72,6 +75,12 @@ from .convert import convert_checkpoint
 CHECKPOINT = "last_checkpoint"  # mmengine's pointer to the newest checkpoint
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "mmdet"
 TRUST_OPT_IN = "trust_checkpoint=true"
+WS_KEYS = ("weight_standardization", "ws_eps", "ws_eps_form", "ws_targets")
+MMCV_WRAPPERS = {Linear: torch.nn.Linear, Conv2d: torch.nn.Conv2d}
+# The layers that predict the outputs (classes, boxes, masks, objectness): no norm pairs with
+# them, so model.weight_standardization may not reach them.
+PREDICTORS = ("roi_head.bbox_head.fc_cls", "roi_head.bbox_head.fc_reg",
+              "roi_head.mask_head.conv_logits", "rpn_head.rpn_cls", "rpn_head.rpn_reg")
 _COCO_NAMES = {"mAP": "AP", "mAP_50": "AP50", "mAP_75": "AP75", "mAP_s": "APs", "mAP_m": "APm",
                "mAP_l": "APl"}
 
@@ -157,6 +166,7 @@ class UnnormRunner(Runner):
                              "with per-replica norm buffers); drop it from the config")
         device = torch.device(self.cfg.device)
         model = model.to(device)
+        standardize_detector(model, self.cfg.get("weight_standardization") or {})
         freeze_except(model, self.cfg.get("train_only", "all"),  # the torchvision backend's
                       head=getattr(model, "roi_head", None))     # head: its roi_heads
         self.sam = configured(self.cfg.get("sam"), model, announce=self.rank == 0)
@@ -302,6 +312,22 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if is_model_wrapper(model) else model
 
 
+def standardize_detector(model: torch.nn.Module, options: Mapping) -> int:
+    """``model.weight_standardization`` (``options``: the model config's ``WS_KEYS``) on mmdet's
+    detector. mmcv's ``Linear`` and ``Conv2d`` among the layers named (the FFNs' linear layers)
+    become torch's own first, which ``unnorm.standardize_weights`` takes: exactly the same
+    layers, as their forward is torch's on torch >= 1.6 (they add an empty-input path for
+    older torch only)."""
+    patterns = options.get("weight_standardization")
+    if patterns is None:
+        return 0
+    for name, module in model.named_modules():
+        if type(module) in MMCV_WRAPPERS and any(fnmatch.fnmatchcase(name, pattern)
+                                                 for pattern in as_patterns(patterns)):
+            module.__class__ = MMCV_WRAPPERS[type(module)]
+    return standardize_layers(model, options, embedding=["backbone.patch_embed"], head=PREDICTORS)
+
+
 def paper_config(cfg: DictConfig) -> Config:
     """The paper's mmdet config file of this run's model (3x schedule; ours sets the rest)."""
     name = cfg.model.name.replace("_swin_t", "_swin_t_fpn")
@@ -389,6 +415,8 @@ def mmdet_config(cfg: DictConfig, out_dir: Path, world: Distributed) -> Config:
     mm.device = str(world.device)
     mm.trust_checkpoint = bool(cfg.trust_checkpoint)
     mm.train_only = cfg.get("train_only", "all")  # read by UnnormRunner, as device is
+    model_options = OmegaConf.to_container(model, resolve=True)  # WS: read by UnnormRunner
+    mm.weight_standardization = {key: model_options.get(key) for key in WS_KEYS}
     sam = cfg.get("sam")
     mm.sam = None if sam is None or sam.name == "none" else OmegaConf.to_container(sam, resolve=True)
     return mm
@@ -423,13 +451,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         return finished
     mm = mmdet_config(cfg, out_dir, world)
     init = "scratch"
+    converted = out_dir / "backbone_init.pth"  # read by runner.train(), before the first step
     if cfg.init_from:
-        converted = out_dir / "backbone_init.pth"
-        if world.main and not converted.exists():
-            saved = read_checkpoint(Path(cfg.init_from), "init_from", trusted=cfg.trust_checkpoint)
-            weights = convert_checkpoint(saved, reset_steps=cfg.reset_norm_steps)
-            save_atomic({"state_dict": weights}, converted)
-        _barrier(world)
         mm.model.backbone.init_cfg = dict(type="Pretrained", checkpoint=str(converted))
         init = cfg.init_from
     if world.main:
@@ -437,10 +460,17 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     meta = {**meta, **run_meta(cfg, "detection", world.world, out_dir, epochs=cfg.recipe.epochs,
                                init=init, backend="mmdet", chance=DETECTION_CHANCE)}
     runner = UnnormRunner.from_cfg(mm)
+    model = _unwrapped(runner.model)
+    if cfg.init_from:  # converted for the detector built: its weight-standardised layers known
+        if world.main and not converted.exists():
+            saved = read_checkpoint(Path(cfg.init_from), "init_from", trusted=cfg.trust_checkpoint)
+            weights = convert_checkpoint(saved, reset_steps=cfg.reset_norm_steps,
+                                         standardized=standardized_layers(model))
+            save_atomic({"state_dict": weights}, converted)
+        _barrier(world)
     logger = run_logger(cfg, out_dir, enabled=world.main)
     hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger)
     runner.register_hook(hook, priority="LOW")
-    model = _unwrapped(runner.model)
     try:
         runner.train()
         meta.update(steps=runner.iter, **trained_parameters(model, runner.sam),

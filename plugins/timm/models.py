@@ -1,7 +1,7 @@
 """timm models with our norms, and their fold plans (which linear reads each norm)."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import timm
 from omegaconf import OmegaConf
@@ -9,6 +9,7 @@ from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import nn
 
 import unnorm
+from plugins.model_options import separate_class_token, standardize_layers
 from plugins.norms import norm_kwargs
 
 from .t2t_vit import T2TViT
@@ -80,12 +81,39 @@ def block_heads(model: nn.Module) -> dict[str, int]:
 
 
 def model_from_config(cfg) -> nn.Module:
-    """The classifier a run config describes (``model``, ``norm``, ``data.num_classes``)."""
+    """The classifier a run config describes (``model``, ``norm``, ``data.num_classes``),
+    with the layer options ``model.class_norm`` (SepNorm) and ``model.weight_standardization``
+    (``plugins.model_options``)."""
     kwargs = cfg.model.kwargs
     if not isinstance(kwargs, dict):
         kwargs = OmegaConf.to_container(kwargs, resolve=True)
-    return create_classifier(cfg.model.timm_name, cfg.norm, cfg.data.num_classes,
-                             cfg.model.img_size, **kwargs)
+    model = create_classifier(cfg.model.timm_name, cfg.norm, cfg.data.num_classes,
+                              cfg.model.img_size, **kwargs)
+    separate_class_token(model, cfg.model, class_token_sites(model))
+    standardize_layers(model, cfg.model, embedding=[embedding_name(model)],
+                       head=[classifier_prefix(model).removesuffix(".")])
+    return model
+
+
+def class_token_sites(model: nn.Module) -> Optional[dict[str, list[str]]]:
+    """The norms a class token passes (``all``: T2T-ViT's blocks and final norm; its
+    tokens-to-token stem runs before the class token joins) and the last of them (``final``),
+    as ``fnmatch`` patterns; None for a model without a class token (Swin)."""
+    if isinstance(model, T2TViT):
+        return {"all": ["blocks.*", "norm"], "final": ["norm"]}
+    return None
+
+
+def embedding_name(model: nn.Module) -> str:
+    """The module that embeds the image as tokens: Swin's ``patch_embed``, T2T-ViT's
+    ``tokens_to_token`` stem."""
+    return "tokens_to_token" if isinstance(model, T2TViT) else "patch_embed"
+
+
+def classifier_prefix(model: nn.Module) -> str:
+    """The state-dict prefix of the model's classifier (``head.``, ``head.fc.``)."""
+    head = model.get_classifier()
+    return next(name for name, module in model.named_modules() if module is head) + "."
 
 
 def _swin_block_pads(block: SwinTransformerBlock) -> bool:
@@ -130,7 +158,20 @@ def fold_plan(model: nn.Module) -> dict[str, list[str]]:
     else:
         raise TypeError(f"no fold plan for {type(model).__name__}; write one mapping each norm "
                         "to the linear layers that read it (unnorm.fold_norms)")
-    return plan
+    return separated_plan(model, plan)
+
+
+def separated_plan(model: nn.Module, plan: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``plan`` with each SepNorm site (``model.class_norm``) as its two norms, each a frozen
+    affine: they normalise different tokens that the same linear layers read, so neither
+    folds into those layers (``unnorm.fold_norms`` refuses it)."""
+    separated = {}
+    for name, linears in plan.items():
+        if isinstance(model.get_submodule(name), unnorm.SeparateClassNorm):
+            separated.update({f"{name}.class_norm": [], f"{name}.token_norm": []})
+        else:
+            separated[name] = linears
+    return separated
 
 
 def fold_model(model: nn.Module) -> dict[str, int]:

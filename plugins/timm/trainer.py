@@ -25,7 +25,7 @@ from plugins.training import (Distributed, amp_context, begin_run, data_parallel
                               epoch_plan, load_weights, require_init, run_task)
 
 from .data import build_datasets
-from .models import model_from_config
+from .models import classifier_prefix, model_from_config
 
 
 RANGES = {"recipe.lr": "> 0", "recipe.lr_batch": "> 0", "recipe.batch_size": ">= 1",
@@ -48,12 +48,6 @@ def _param_groups(model: nn.Module, weight_decay: float, backbone_lr_ratio: floa
     return [{"params": params, "weight_decay": weight_decay if decay else 0.0,
              "lr_scale": 1.0 if is_head else backbone_lr_ratio}
             for (decay, is_head), params in groups.items()]
-
-
-def classifier_prefix(model: nn.Module) -> str:
-    """The state-dict prefix of the model's classifier (``head.``, ``head.fc.``)."""
-    head = model.get_classifier()
-    return next(name for name, module in model.named_modules() if module is head) + "."
 
 
 @torch.no_grad()

@@ -17,11 +17,16 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
 import unnorm
+from plugins.model_options import standardize_layers
 from plugins.timm.models import (create_classifier, groups_by_heads, host_norm_layer, regroup,
                                  swin_fold_plan)
 
 # A classifier checkpoint's keys the backbone has no use for: the head and the final norm.
 CLASSIFIER_ONLY = ("head.", "norm.")
+# The layers that predict the outputs (classes, boxes, masks, objectness): no norm pairs with
+# them, so model.weight_standardization may not reach them.
+PREDICTORS = ("roi_heads.box_predictor", "roi_heads.mask_predictor", "rpn.head.cls_logits",
+              "rpn.head.bbox_pred")
 
 
 class SwinFPN(nn.Module):
@@ -46,7 +51,8 @@ class SwinFPN(nn.Module):
 
 
 def build_detector(model_cfg, norm_cfg, num_classes: int) -> nn.Module:
-    """Faster R-CNN, or Mask R-CNN when ``model_cfg.masks``, as the model config describes."""
+    """Faster R-CNN, or Mask R-CNN when ``model_cfg.masks``, as the model config describes
+    (``weight_standardization``: the detector's layers so named, ``plugins.model_options``)."""
     cfg = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else model_cfg
     backbone_cfg = cfg["backbone"]
     swin = create_classifier(backbone_cfg["timm_name"], norm_cfg, 0, backbone_cfg["img_size"],
@@ -70,8 +76,10 @@ def build_detector(model_cfg, norm_cfg, num_classes: int) -> nn.Module:
         heads["mask_head"] = MaskRCNNHeads(cfg["fpn_channels"], layers, 1)
         heads["mask_predictor"] = MaskRCNNPredictor(layers[-1], layers[-1], num_classes)
         detector_cls = MaskRCNN
-    return detector_cls(backbone, num_classes=None, min_size=tuple(cfg["min_size"]),
-                        max_size=cfg["max_size"], **heads, **cfg.get("detector_kwargs", {}))
+    detector = detector_cls(backbone, num_classes=None, min_size=tuple(cfg["min_size"]),
+                            max_size=cfg["max_size"], **heads, **cfg.get("detector_kwargs", {}))
+    standardize_layers(detector, cfg, embedding=["backbone.body.patch_embed"], head=PREDICTORS)
+    return detector
 
 
 def detector_fold_plan(detector: nn.Module) -> dict[str, list[str]]:
