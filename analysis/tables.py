@@ -142,10 +142,11 @@ def stability_tables(runs: list[dict]) -> list[Table]:
         rows = []
         for label in sorted(settings, key=method_order):
             row: list = [label]
+            ours = reference_setting(label, reference, settings)
             for m in multiples:
                 cell = Cell(settings[label].get(m, []))
-                baseline = Cell(settings.get(reference, {}).get(m, []))
-                row.append(cell.text(metric) if label == reference or not cell.runs else
+                baseline = Cell(settings.get(ours, {}).get(m, []))
+                row.append(cell.text(metric) if label == ours or not cell.runs else
                            (cell.text(metric), comparisons.add(cell.values(metric), baseline.values(metric))))
             rows.append(row)
         tables.append(Table(f"Stability: {model} {data}, {metric} by learning-rate multiple",
@@ -153,7 +154,8 @@ def stability_tables(runs: list[dict]) -> list[Table]:
                             with_tests(rows, comparisons, f"; vs {reference} "),
                             ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
                              "chance k/n: k finished no better than chance; the number is the mean "
-                             f"of the others. vs {reference}: against {reference} at the same multiple.",
+                             f"of the others. vs {reference}: against {reference} at the same multiple "
+                             "(with the row's overrides where it was run with them).",
                              comparisons.note()]))
     return tables
 
@@ -179,12 +181,13 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
             row: list = [label, f"{summary['best']:g}x", at_best.text(metric),
                          "—" if lrs is None else f"{lrs:.{digits}f} [{summary['interval'][0]:.{digits}f}, "
                                                  f"{summary['interval'][1]:.{digits}f}]"]
-            if label == reference or reference not in settings:
+            ours = reference_setting(label, reference, settings)
+            if label == ours or ours not in settings:
                 row += ["—", "—"]
             else:
-                theirs = settings[reference]
+                theirs = settings[ours]
                 row += [("", comparisons.add(at_best.values(metric),
-                                             Cell(theirs[summaries[reference]["best"]]).values(metric))),
+                                             Cell(theirs[summaries[ours]["best"]]).values(metric))),
                         ("", comparisons.add(Cell(points.get(1.0, [])).values(metric),
                                              Cell(theirs.get(1.0, [])).values(metric)))]
             rows.append(row)
@@ -200,6 +203,14 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
              f"{MIN_RATES} rates. Interval: percentile bootstrap over the seeds within each rate. "
              f"Rates are multiples of the recipe's.", comparisons.note()]))
     return tables
+
+
+def reference_setting(label: str, reference: str, settings) -> str:
+    """A setting's baseline on the ladder: the reference method with the same overrides (a
+    recipe's other length, say) where that was run and is another setting, else the reference
+    method as configured."""
+    same = " ".join([reference, *label.split(" ")[1:]])
+    return same if same in settings and same != label else reference
 
 
 def reference_method(task: str) -> str:
