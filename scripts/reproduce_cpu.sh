@@ -5,6 +5,8 @@
 #   translation every norm on the synthetic corpus (fairseq); UN with the pad mask, and LN,
 #               DyT, UN and PN trained three times as long (probes of their deficits)
 #   translation_components  UN's components on it (Table 9) and a shorter gradient EMA
+#   translation_ladder  every norm on the learning-rate ladder at a length where LN's BLEU is
+#               off the floor and below saturation, and at the release's rate
 #   detection   Mask R-CNN with LN, BN and UN on generated shapes
 #   window_size, momentum, components   UN's sweeps on Swin-T (Tables 6, 10, 5)
 #   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
@@ -90,6 +92,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
       echo "stability/t2t_vit_14_un-noOF-lr${lr}x-s$seed +exp=t2t_vit_14_un norm.outlier_filtration=false lr_multiple=$lr seed=$seed"
     done
   done
+  translation_ladder_runs
   for seed in $MAIN_SEEDS; do  # seed by seed, so that a stopped grid has whole seeds
     for model in swin_t t2t_vit_14; do for norm in ln bn un; do
       for sam in sam sam_on asam_on; do
@@ -100,6 +103,37 @@ runs() {  # one line per run: <group>/<name> <overrides...>
     done; done
   done
   lm_runs
+}
+
+# translation off the floor and below saturation (results/calibration/translation): LN's BLEU
+# nearest 50 at the CPU rate (2e-3) in 6 epochs of 42 updates, at the release's rate (7e-4) in 10
+TRANSLATION_CPU_EPOCHS=6
+TRANSLATION_RELEASE_EPOCHS=10
+
+translation_ladder_runs() {  # every norm on the ladder at the CPU rate, and at the release's rate
+  local length="recipe.train.max_update=$((TRANSLATION_CPU_EPOCHS * 42)) recipe.train.max_epoch=$TRANSLATION_CPU_EPOCHS"
+  local release="recipe.train.lr=7e-4 recipe.train.max_update=$((TRANSLATION_RELEASE_EPOCHS * 42)) recipe.train.max_epoch=$TRANSLATION_RELEASE_EPOCHS"
+  for norm in $NORMS; do
+    for seed in $PROBE_SEEDS; do
+      echo "translation_ladder/iwslt14_$norm-e$TRANSLATION_CPU_EPOCHS-s$seed +exp=iwslt14_$norm $length seed=$seed"
+      echo "translation_ladder/iwslt14_$norm-release-e$TRANSLATION_RELEASE_EPOCHS-s$seed +exp=iwslt14_$norm $release seed=$seed"
+    done
+    for seed in 0 1; do for lr in $LADDER; do
+      echo "translation_ladder/iwslt14_$norm-e$TRANSLATION_CPU_EPOCHS-lr${lr}x-s$seed +exp=iwslt14_$norm $length lr_multiple=$lr seed=$seed"; done; done
+  done
+  third_seed_at_best translation_ladder "$("$PY" -m analysis.sensitivity --best "$RECORDS/translation_ladder" "$OUT/translation_ladder")" \
+    "$(for norm in $NORMS; do echo "iwslt14_$norm-e$TRANSLATION_CPU_EPOCHS +exp=iwslt14_$norm $length"; done)"
+}
+
+third_seed_at_best() {  # <group> <"name rate" lines> <"name overrides" lines>: seed 2 at each
+  # setting's best rate on the ladder where it has two seeds (not 1x, 3x or 10x)
+  local group=$1 settings=$3
+  while read -r name lr; do
+    [[ -n $name ]] || continue
+    overrides=$(awk -v name="$name" '$1 == name {$1 = ""; print substr($0, 2)}' <<< "$settings")
+    [[ -n $overrides && $lr != 1 && ( $group != lm_stability || ( $lr != 3 && $lr != 10 ) ) ]] || continue
+    echo "$group/$name-lr${lr}x-s2 $overrides lr_multiple=$lr seed=2"
+  done <<< "$2"
 }
 
 lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
@@ -124,12 +158,9 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
       [[ $seed != 2 || $lr == 3 || $lr == 10 ]] || continue
       echo "lm_stability/$name-lr${lr}x-s$seed $overrides lr_multiple=$lr seed=$seed"; done; done
   done
-  "$PY" -m analysis.sensitivity --best "$RECORDS/lm" "$RECORDS/lm_stability" "$OUT/lm" "$OUT/lm_stability" |
-    while read -r name lr; do
-      overrides=$(lm_ladder_settings | awk -v name="$name" '$1 == name {$1 = ""; print substr($0, 2)}')
-      [[ -n $overrides && $lr != 1 && $lr != 3 && $lr != 10 ]] || continue
-      echo "lm_stability/$name-lr${lr}x-s2 $overrides lr_multiple=$lr seed=2"
-    done
+  third_seed_at_best lm_stability \
+    "$("$PY" -m analysis.sensitivity --best "$RECORDS/lm" "$RECORDS/lm_stability" "$OUT/lm" "$OUT/lm_stability")" \
+    "$(lm_ladder_settings)"
   # the same 737k training tokens (360 updates of 16 x 128) in 4x more or fewer updates; the
   # micro-batch is the batch, so that UN's and LN's statistics see the batch size swept
   for seed in $PROBE_SEEDS; do for norm in ln un; do

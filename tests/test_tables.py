@@ -349,6 +349,29 @@ def test_reproduction_resumes_from_committed_records(tmp_path):
     assert len(trained) == 1 and f"hydra.run.dir={tmp_path / 'out' / names[0]}" in trained[0]
 
 
+def test_the_ladder_lists_a_third_seed_at_each_settings_best_rate(tmp_path):
+    """Two seeds a rate on the translation ladder; once their records rank the rates, the best
+    one (here 0.3x, where LN ends highest) is listed with a third seed, and only it."""
+    records = tmp_path / "records"
+    chance = {"metric": "bleu", "threshold": 1.0, "lower_is_better": False}
+    bleu = {0.1: 20.0, 0.3: 60.0, 1: 50.0, 3: 40.0, 10: 0.5, 30: 0.5, 100: 0.5}
+    for multiple, value in bleu.items():
+        for seed in (0, 1):
+            name = f"iwslt14_ln-e6{'' if multiple == 1 else f'-lr{multiple:g}x'}-s{seed}"
+            write_run(records / "translation_ladder", name, task="translation", model="transformer",
+                      exp_data="iwslt14", norm="ln", chance=chance, run_dir=f"/grid/{name}",
+                      status="ok" if value > 1 else "chance", metrics={"bleu": value + seed},
+                      overrides=["+exp=iwslt14_ln", "recipe.train.max_update=252",
+                                 "recipe.train.max_epoch=6", f"seed={seed}",
+                                 *([] if multiple == 1 else [f"lr_multiple={multiple:g}"])])
+    env = {**os.environ, "RECORDS": str(records), "OUT": str(tmp_path / "out")}
+    listing = subprocess.run(["bash", "scripts/reproduce_cpu.sh", "--list", "translation_ladder"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    thirds = [line for line in listing.splitlines() if "-lr" in line and line.split()[0].endswith("-s2")]
+    assert thirds == ["translation_ladder/iwslt14_ln-e6-lr0.3x-s2 +exp=iwslt14_ln "
+                      "recipe.train.max_update=252 recipe.train.max_epoch=6 lr_multiple=0.3 seed=2"]
+
+
 def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
     """``make_tables`` on the committed runs gives the committed tables: every number in them
     can be traced to a committed result.json."""
