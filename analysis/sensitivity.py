@@ -60,25 +60,34 @@ def _summary(values: dict[float, list[float]], lower: bool) -> tuple[float, floa
     return best, statistics.fmean(gaps)
 
 
-def sensitivity(points: dict[float, list[dict]], metric: str, bound: float) -> dict:
+def sensitivity(points: dict[float, list[dict]], metric: str, bound: float, stream: int = 0) -> dict:
     """``{"best": multiple, "value": the best rate's mean, "sensitivity": s, "interval": (lo,
-    hi), "rates": n}`` of a setting's ladder; ``sensitivity`` and ``interval`` are None with
-    fewer than ``MIN_RATES`` rates."""
+    hi), "draws": the bootstrap's sensitivities, "rates": n}`` of a setting's ladder;
+    ``sensitivity``, ``interval`` and ``draws`` are None with fewer than ``MIN_RATES`` rates.
+    ``stream`` seeds the bootstrap (settings compared by ``difference_interval`` need
+    independent ones)."""
     lower = metric in LOWER_IS_BETTER
     values = {m: [bounded(r, metric, bound) for r in runs] for m, runs in points.items() if runs}
     best, lrs = _summary(values, lower)
     out = {"best": best, "value": statistics.fmean(values[best]), "rates": len(values),
-           "sensitivity": None, "interval": None}
+           "sensitivity": None, "interval": None, "draws": None}
     if len(values) < MIN_RATES:
         return out
-    rng = np.random.default_rng(0)  # the same interval on every regeneration
+    rng = np.random.default_rng(stream)  # the same interval on every regeneration
     draws = []
     for _ in range(BOOTSTRAP_SAMPLES):
         resampled = {m: list(rng.choice(v, size=len(v))) for m, v in values.items()}
         draws.append(_summary(resampled, lower)[1])
     low, high = np.percentile(draws, [2.5, 97.5])
-    out.update(sensitivity=lrs, interval=(float(low), float(high)))
+    out.update(sensitivity=lrs, interval=(float(low), float(high)), draws=np.array(draws))
     return out
+
+
+def difference_interval(ours: dict, theirs: dict) -> tuple[float, float]:
+    """95% percentile bootstrap interval of ``ours``' sensitivity minus ``theirs``' (two
+    ``sensitivity`` results with independent streams): an interval without 0 is a difference."""
+    low, high = np.percentile(ours["draws"] - theirs["draws"], [2.5, 97.5])
+    return float(low), float(high)
 
 
 def best_rates(runs: list[dict]) -> dict[str, float]:

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from .plots import save_figure
@@ -39,9 +40,9 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
     finished at chance (at their metric); an x at the worst edge (the bottom, or the top where
     lower is better) marks each multiple where runs collapsed, labelled with the collapsed
     fraction. ``legend``: each setting's legend text (default: its label)."""
-    fig = Figure(figsize=(7.5, 4.8))
+    fig = Figure(figsize=(10, 5.2))
     ax = fig.add_subplot()
-    colours = [f"C{i}" for i in range(10)]
+    colours = [f"C{i}" for i in range(10)] + [colormaps["tab20b"](i / 20) for i in range(0, 20, 2)]
     edge = 1.0 if metric in LOWER_IS_BETTER else 0.0  # axes fraction: where collapses show
     at_edge = ax.get_xaxis_transform()  # x in data, y in axes fraction
     for index, label in enumerate(sorted(settings, key=method_order)):

@@ -11,7 +11,8 @@ from typing import Optional
 from analysis.runs import (LOWER_IS_BETTER, METHOD_NORMS, NORM_METHODS, PLACEMENT_NAMES, STABILITY_KEY,
                            TASK_METRIC, changes, ladder, method_order, option_value, override_value,
                            setting, where)
-from analysis.sensitivity import MIN_RATES, chance_bound, sensitivity
+from analysis.sensitivity import (BOOTSTRAP_SAMPLES, MIN_RATES, chance_bound, difference_interval,
+                                  sensitivity)
 from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
 
 #: the ways of training through the norms (sam=..., train_only=...): tabled on their own
@@ -171,7 +172,8 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
         bound = chance_bound([r for cells in settings.values() for rs in cells.values() for r in rs],
                              metric)
         reference = reference_method(task)
-        summaries = {label: sensitivity(points, metric, bound) for label, points in settings.items()}
+        summaries = {label: sensitivity(settings[label], metric, bound, stream)
+                     for stream, label in enumerate(sorted(settings, key=method_order))}
         comparisons = Comparisons(digits)
         rows = []
         for label in sorted(settings, key=method_order):
@@ -183,9 +185,15 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
                                                  f"{summary['interval'][1]:.{digits}f}]"]
             ours = reference_setting(label, reference, settings)
             if label == ours or ours not in settings:
-                row += ["—", "—"]
+                row += ["—", "—", "—"]
             else:
                 theirs = settings[ours]
+                if lrs is None or summaries[ours]["sensitivity"] is None:
+                    row.append("—")
+                else:
+                    low, high = difference_interval(summary, summaries[ours])
+                    row.append(f"{lrs - summaries[ours]['sensitivity']:+.{digits}f} "
+                               f"[{low:+.{digits}f}, {high:+.{digits}f}]{'*' if low > 0 or high < 0 else ''}")
                 row += [("", comparisons.add(at_best.values(metric),
                                              Cell(theirs[summaries[ours]["best"]]).values(metric))),
                         ("", comparisons.add(Cell(points.get(1.0, [])).values(metric),
@@ -195,12 +203,15 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
         tables.append(Table(
             f"Learning-rate sensitivity: {model} {data}, {metric}",
             ["setting", "best rate", f"{metric} at the best rate",
-             "sensitivity [95% bootstrap]", f"vs {reference}, each at its best", f"vs {reference} at 1x"],
+             "sensitivity [95% bootstrap]", f"sensitivity vs {reference} [95% bootstrap]",
+             f"vs {reference}, each at its best", f"vs {reference} at 1x"],
             with_tests(rows, comparisons),
             [f"Sensitivity (Wortsman et al. 2023): the mean over the ladder's rates of how far "
              f"{worse} its best a setting ends, each run bounded at the chance level "
              f"({metric} {bound:.{digits}f}; a collapse counts there); '—' with fewer than "
-             f"{MIN_RATES} rates. Interval: percentile bootstrap over the seeds within each rate. "
+             f"{MIN_RATES} rates. Intervals: percentile bootstrap over the seeds within each rate "
+             f"({BOOTSTRAP_SAMPLES} resamples); * on a difference: its interval excludes 0 "
+             f"(uncorrected for the table's number of intervals). "
              f"Rates are multiples of the recipe's.", comparisons.note()]))
     return tables
 

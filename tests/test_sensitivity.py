@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from analysis.sensitivity import best_rates, main, sensitivity
+from analysis.sensitivity import best_rates, difference_interval, main, sensitivity
 from analysis.tables import sensitivity_tables
 
 RATES = (0.1, 0.3, 1, 3, 10, 30, 100)
@@ -79,8 +79,8 @@ def test_the_table_compares_each_at_its_best_and_at_the_recipes_rate():
     table, = sensitivity_tables(ladder_runs("ln", LN) + ladder_runs("un", un))
     rows = {row[0]: row for row in table.rows}
     assert rows["Pre-LN"][1] == "3x" and rows["Pre-UN"][1] == "0.3x"
-    assert rows["Pre-UN"][4].startswith("-0.250 (p=")  # 3.05 at 0.3x against LN's 3.3 at 3x
-    assert rows["Pre-UN"][5].startswith("+1.000 (p=")  # 4.6 against 3.6 at 1x
+    assert rows["Pre-UN"][5].startswith("-0.250 (p=")  # 3.05 at 0.3x against LN's 3.3 at 3x
+    assert rows["Pre-UN"][6].startswith("+1.000 (p=")  # 4.6 against 3.6 at 1x
 
 
 def test_best_rates_name_each_settings_runs_for_the_grid(tmp_path, capsys):
@@ -92,3 +92,13 @@ def test_best_rates_name_each_settings_runs_for_the_grid(tmp_path, capsys):
         (folder / "result.json").write_text(json.dumps({k: v for k, v in r.items() if k != "_path"}))
     main(["--best", str(tmp_path / "lm"), str(tmp_path / "missing")])
     assert capsys.readouterr().out == "llama_cpu_ln 3\n"
+
+
+def test_the_difference_interval_separates_a_flatter_ladder_and_not_a_copy():
+    steep = by_multiple(ladder_runs("ln", LN))
+    flat = by_multiple(ladder_runs("un", {m: [3.3 + 0.1 * (m > 10), 3.4] for m in RATES}))
+    ours, theirs = sensitivity(flat, "val_loss", 6.0, 1), sensitivity(steep, "val_loss", 6.0, 2)
+    low, high = difference_interval(ours, theirs)
+    assert high < 0 and low <= ours["sensitivity"] - theirs["sensitivity"] <= high
+    low, high = difference_interval(sensitivity(steep, "val_loss", 6.0, 3), theirs)
+    assert low < 0 < high
