@@ -84,14 +84,16 @@ def norm_steps_per_update(cfg: DictConfig) -> int:
             raise ValueError(f"recipe.train.update_freq must be an int >= 1 (micro-batches per "
                              f"update), got {update_freq!r}")
         return update_freq
-    if cfg.task == "language_modelling":
+    if cfg.task == "language_modelling" or (cfg.task == "classification"
+                                            and cfg.recipe.get("micro_batch_size")):
         return micro_batches_per_update(cfg.recipe, world_size=1)
     return 1
 
 
 def micro_batches_per_update(recipe: DictConfig, world_size: int) -> int:
-    """Language modelling's gradient accumulation: ``batch_size`` sequences per update over
-    every replica, ``micro_batch_size`` per forward/backward of one."""
+    """Gradient accumulation (language modelling; micro-batch classification): ``batch_size``
+    sequences or images per update over every replica, ``micro_batch_size`` per
+    forward/backward of one."""
     per_replica, rest = divmod(recipe.batch_size, recipe.micro_batch_size * world_size)
     if rest or per_replica < 1:
         raise ValueError(f"recipe.batch_size {recipe.batch_size} is not a multiple of "

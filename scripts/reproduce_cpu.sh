@@ -7,6 +7,9 @@
 #   translation_components  UN's components on it (Table 9) and a shorter gradient EMA
 #   translation_ladder  every norm on the learning-rate ladder at a length where LN's BLEU is
 #               off the floor and below saturation, and at the release's rate
+#   micro_batch LN, BN, MABN, UN, BCN (with and without Weight Standardization), EvoNorm-B0/S0
+#               on {Swin-T, T2T-ViT} with 2, 4 and 64 images per forward/backward
+#   sepnorm     SepNorm on T2T-ViT: an LN or BN class-token norm at every site or the final one
 #   detection   Mask R-CNN with LN, BN and UN on generated shapes
 #   window_size, momentum, components   UN's sweeps on Swin-T (Tables 6, 10, 5)
 #   ablation    UN's deficit on T2T-ViT: each component off, warm-up, window, momentum
@@ -93,6 +96,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
     done
   done
   translation_ladder_runs
+  literature_runs
   for seed in $MAIN_SEEDS; do  # seed by seed, so that a stopped grid has whole seeds
     for model in swin_t t2t_vit_14; do for norm in ln bn un; do
       for sam in sam sam_on asam_on; do
@@ -123,6 +127,31 @@ translation_ladder_runs() {  # every norm on the ladder at the CPU rate, and at 
   done
   third_seed_at_best translation_ladder "$("$PY" -m analysis.sensitivity --best "$RECORDS/translation_ladder" "$OUT/translation_ladder")" \
     "$(for norm in $NORMS; do echo "iwslt14_$norm-e$TRANSLATION_CPU_EPOCHS +exp=iwslt14_$norm $length"; done)"
+}
+
+literature_runs() {  # the literature's other norms (issue 33)
+  # micro-batch training, the BCN and MABN papers' question: the norms see 2 or 4 images per
+  # forward/backward while each update accumulates the recipe's 64 (as 32 or 16 replicas
+  # without synced statistics would); 64 is the recipe (LN, BN, MABN, UN: the main runs)
+  for seed in $PROBE_SEEDS; do for size in 2 4 64; do for model in swin_t t2t_vit_14; do
+    micro=$([[ $size == 64 ]] || echo "recipe.cpu.micro_batch_size=$size")
+    for norm in ln bn mabn un bcn bcn_ws evonorm_b0 evonorm_s0; do
+      case $norm in
+        ln|bn|mabn|un) [[ $size != 64 ]] || continue; exp="+exp=${model}_$norm" ;;
+        bcn_ws) exp="+exp=$model norm=bcn ws=transformer" ;;
+        *) exp="+exp=$model norm=$norm" ;;
+      esac
+      echo "micro_batch/${model}_$norm-mb$size-s$seed $exp${micro:+ $micro} seed=$seed"
+    done
+  done; done; done
+  # SepNorm on T2T-ViT: LN tokens, an LN or BN class-token norm at every site or the final one
+  for seed in $MAIN_SEEDS; do for class in ln bn; do for sites in all final; do
+    echo "sepnorm/t2t_vit_14_ln-cls_$class-$sites-s$seed +exp=t2t_vit_14_ln model.class_norm=$class model.class_norm_sites=$sites seed=$seed"
+  done; done; done
+  # the language model's Pre placement (LN and the others: the lm runs)
+  for seed in $PROBE_SEEDS; do for norm in bcn evonorm_s0; do
+    echo "lm/llama_cpu_$norm-s$seed +exp=llama_71m_ln norm=$norm seed=$seed"
+  done; done
 }
 
 third_seed_at_best() {  # <group> <"name rate" lines> <"name overrides" lines>: seed 2 at each

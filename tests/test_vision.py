@@ -403,3 +403,32 @@ def test_fold_script_writes_a_loadable_folded_checkpoint(norm, summary, left, tm
     assert [type(m) for m in folded.modules() if isinstance(m, unnorm.ChannelNorm)] == list(left)
     proc = run_script("scripts/fold.py", str(tmp_path / "nowhere"))
     assert proc.returncode != 0 and "no checkpoint" in proc.stderr
+
+
+MICRO_RUN = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2",
+             "recipe.cpu.batch_size=8", "recipe.cpu.lr_batch=8", "recipe.cpu.mixup=null",
+             "model.kwargs.drop_path_rate=0", "seed=0"]
+
+
+def test_micro_batches_accumulate_the_update_and_the_norms_count_them(tmp_path):
+    """recipe.cpu.micro_batch_size=4 of a batch of 8: LN (no batch statistics) takes the same
+    updates as with the whole batch in one pass; UN counts micro-batches (2 per update), and
+    the norms' step counts keep their place in updates (the scale rule's factor doubles)."""
+    states = {}
+    for name, extra in (("whole", []), ("micro", ["recipe.cpu.micro_batch_size=4"])):
+        result = train(config("+exp=t2t_vit_14_ln", *MICRO_RUN, *extra), tmp_path / name)
+        assert result["status"] in FINISHED and result["accumulate"] == (2 if extra else 1)
+        states[name] = load_checkpoint(tmp_path / name / "last.pt")["model"]
+    assert_states_equal(states["whole"], states["micro"], "LN: micro-batches against the batch",
+                        rtol=1e-5, atol=1e-6)
+    result = train(config("+exp=t2t_vit_14_un", *MICRO_RUN, "recipe.cpu.micro_batch_size=4"),
+                   tmp_path / "un")
+    state = load_checkpoint(tmp_path / "un" / "last.pt")["model"]
+    assert {int(v) for k, v in state.items() if k.endswith("num_iters")} == {2 * 2}
+    factors = [OmegaConf.load(tmp_path / name / "config.yaml").scale.norm_step_factor
+               for name in ("un", "micro")]  # the rule's factor: twice the norm steps per update
+    assert factors[0] == factors[1] and factors[0] == pytest.approx(
+        2 * OmegaConf.load(tmp_path / "whole" / "config.yaml").scale.norm_step_factor)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        train(config("+exp=t2t_vit_14_ln", *MICRO_RUN, "recipe.cpu.micro_batch_size=3"),
+              tmp_path / "bad")

@@ -21,6 +21,7 @@ from torch import nn
 from plugins.loop import CHECKPOINT, EpochLoop
 from plugins.runlog import chance_rule, run_meta
 from plugins.sam import freeze_except
+from plugins.scale import micro_batches_per_update
 from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
                               epoch_plan, load_weights, require_init, run_task)
 
@@ -29,6 +30,7 @@ from .models import classifier_prefix, model_from_config
 
 
 RANGES = {"recipe.lr": "> 0", "recipe.lr_batch": "> 0", "recipe.batch_size": ">= 1",
+          "recipe.micro_batch_size": "null or >= 1",
           "recipe.epochs": ">= 1", "recipe.warmup_epochs": ">= 0", "recipe.warmup_lr": ">= 0",
           "recipe.min_lr": ">= 0", "recipe.weight_decay": ">= 0", "recipe.clip_grad": "null or > 0",
           "recipe.label_smoothing": "in [0, 1)", "recipe.backbone_lr_ratio": ">= 0",
@@ -79,7 +81,11 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
     batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
                                                  cfg.scale.max_steps_per_epoch, world, cfg.seed)
-    cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch, CHECKPOINT)
+    # micro-batch training: each replica's norms see recipe.micro_batch_size images per
+    # forward/backward, and the update accumulates the recipe's batch
+    accumulate = micro_batches_per_update(recipe, world.world) if recipe.micro_batch_size else 1
+    cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch * accumulate,
+                                   CHECKPOINT)
     if finished is not None:
         return finished
     val_loader = torch.utils.data.DataLoader(
@@ -142,9 +148,11 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         return metrics
 
     return loop.fit(
-        net, train_set, batch, sampler, steps_per_epoch, epochs, forward=forward, evaluate=scores,
+        net, train_set, batch // accumulate, sampler, steps_per_epoch, epochs, forward=forward,
+        evaluate=scores, accumulate=accumulate,
         after_update=(lambda step: ema.update(model, step=step)) if ema is not None else None,
         summary=lambda m: f"top1 {m['top1']:.2f}" + (f" (ema {m['top1_ema']:.2f})" if ema else ""),
-        meta={**meta, **run_meta(cfg, "classification", world.world, out_dir, chance=chance_rule(
+        meta={**meta, **run_meta(cfg, "classification", world.world, out_dir, accumulate=accumulate,
+                                 micro_batch_size=batch // accumulate, chance=chance_rule(
             "top1", 1.5 * 100 / num_classes, "top-1 <= 1.5 x 100/classes"))}, init=init,
         clip_grad=recipe.clip_grad)
