@@ -108,6 +108,7 @@ class EpochLoop:
         detector, step = self.detector, self.step
         metrics: dict = self.metrics
         taps: dict = {}
+        chunks: dict[str, list] = {}
         try:
             if cfg.record_statistics:
                 taps["stats"] = unnorm.record_statistics(self.stats_module)
@@ -192,6 +193,8 @@ class EpochLoop:
             meta.update(steps=step, **rejected_steps(self.model.state_dict()))
             result = self.run.write_result(status="ok", metrics=metrics, meta=meta)
         except TrainingCollapsed as collapse:
+            if "stats" in taps:  # the statistics up to the collapse: what explains it
+                save_statistics(self.run, epoch, [*chunks.get("stats", []), taps["stats"].flush()])
             meta = {**meta, "epochs": epochs, "init": init, **rejected_steps(self.model.state_dict())}
             result = record_collapse(self.run, collapse, metrics, meta)
         finally:

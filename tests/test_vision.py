@@ -27,6 +27,7 @@ from plugins.runlog import FINISHED, CollapseDetector, TrainingCollapsed
 from plugins.timm import fold_model, fold_plan, model_from_config
 from plugins.timm.data import DigitsDataset, build_datasets
 from plugins.scale import effective_config
+from analysis.statistics import load_statistics
 from plugins.timm.trainer import _param_groups, train
 from test_norms import with_experiments
 
@@ -276,6 +277,18 @@ def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):
     assert isinstance(saved["fail_step"], int) and saved["fail_step"] < 22
     assert saved["fail_reason"]
     assert not (tmp_path / "metrics.jsonl").exists()  # stopped inside the first epoch
+
+
+def test_a_collapse_keeps_the_statistics_recorded_up_to_it(tmp_path):
+    """record_statistics=true: the epoch a run collapsed in is saved up to the collapse (every
+    step it took, the last non-finite), so the collapse can be looked at."""
+    result = train(config("+exp=swin_t_un", "scale=cpu", "logger=none", "recipe.cpu.lr=1e6",
+                          "recipe.cpu.warmup_epochs=0", "collapse.check_every=1",
+                          "record_statistics=true"), tmp_path)
+    assert result["status"] == "FAIL"
+    stats = load_statistics(tmp_path)
+    steps = {len(layer["act"]) for layer in stats.values()}
+    assert steps == {result["fail_step"]}, (steps, result["fail_step"])
 
 
 def test_collapse_detector_names_the_exact_step():
