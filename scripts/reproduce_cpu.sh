@@ -21,6 +21,8 @@
 #   lm_stability  each of those on the learning-rate ladder (0.1x to 100x; 1x: the lm runs)
 #   lm_init     Pre-, Post-, Peri- and Mix-LN with Peri-LN's embedding norm, and with Mix-LN's
 #               release initialisation
+#   lm_probes   UN's language-model deficit: its collapse without outlier filtration (statistics
+#               recorded), and each of its phases off at 64 sequences a batch
 #   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
 #   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
 #               norm-only training with and without the head (three); the base optimizer: the
@@ -190,6 +192,17 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
   third_seed_at_best lm_stability \
     "$("$PY" -m analysis.sensitivity --best "$RECORDS/lm" "$RECORDS/lm_stability" "$OUT/lm" "$OUT/lm_stability")" \
     "$(lm_ladder_settings)"
+  # UN's deficit, probed (issue 30, item 4): its collapse without outlier filtration with the
+  # statistics recorded (kept up to the collapse), and at 64 sequences a batch each of its
+  # phases switched off in turn: which one fails there
+  local b64="recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30"
+  for seed in $PROBE_SEEDS; do
+    echo "lm_probes/llama_cpu_un-noOF-stats-s$seed +exp=llama_71m_un norm.outlier_filtration=false record_statistics=true seed=$seed"
+    for change in norm.grad_compensation=false norm.bwd_ema=false norm.fwd_gm=false \
+                  norm.outlier_filtration=false norm.warmup_iters=36 norm.warmup_iters=100000; do
+      label=${change#norm.}
+      echo "lm_probes/llama_cpu_un-b64-${label//=/-}-s$seed +exp=llama_71m_un $b64 $change seed=$seed"; done
+  done
   # the same 737k training tokens (360 updates of 16 x 128) in 4x more or fewer updates; the
   # micro-batch is the batch, so that UN's and LN's statistics see the batch size swept
   for seed in $PROBE_SEEDS; do for norm in ln un; do
