@@ -198,6 +198,9 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
   local b64="recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30"
   for seed in $PROBE_SEEDS; do
     echo "lm_probes/llama_cpu_un-noOF-stats-s$seed +exp=llama_71m_un norm.outlier_filtration=false record_statistics=true seed=$seed"
+    # batch statistics in a causal model: BN pooled over every position against over the
+    # positions up to each one (the lm runs: BN as configured)
+    echo "lm_probes/llama_cpu_bn-causal-s$seed +exp=llama_71m_bn norm.causal=true seed=$seed"
     for change in norm.grad_compensation=false norm.bwd_ema=false norm.fwd_gm=false \
                   norm.outlier_filtration=false norm.warmup_iters=36 norm.warmup_iters=100000; do
       label=${change#norm.}
