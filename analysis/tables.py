@@ -245,7 +245,9 @@ def settings_tables(runs: list[dict]) -> list[Table]:
         comparisons = Comparisons(DIGITS.get(metric, 1))
         rows = []
         for label, cell in cells.items():
-            baseline = label.split(" ")[0] if " " in label else reference
+            baseline = reference_setting(label, reference, cells)
+            if baseline == reference and " " in label:  # no reference run with these overrides
+                baseline = label.split(" ")[0]
             tested = baseline != label and baseline in cells
             rows.append([label, cell.text(metric), baseline if tested else "—",
                          ("", comparisons.add(cell.values(metric), cells[baseline].values(metric)))
@@ -253,7 +255,8 @@ def settings_tables(runs: list[dict]) -> list[Table]:
         tables.append(Table(f"CPU-scale settings: {model} {data}",
                             ["setting", metric, "baseline", "vs baseline"],
                             with_tests(rows, comparisons),
-                            [f"Baseline: the method as configured for a changed setting, else "
+                            [f"Baseline: {reference} with the same overrides where that was run, "
+                             f"else the method as configured for a changed setting, else "
                              f"{reference}. {comparisons.note()}"]))
     return tables
 
