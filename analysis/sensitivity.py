@@ -33,8 +33,10 @@ BOOTSTRAP_SAMPLES = 2000
 _RUN_NAME = re.compile(r"^(?P<prefix>.+?)(-lr(?P<multiple>[0-9.e+-]+)x)?-s(?P<seed>\d+)$")
 
 
-def chance_bound(runs: list[dict], metric: str) -> float:
-    """The testbed's chance level for ``metric``: the threshold of the records' chance rule."""
+def chance_bound(settings: dict[str, dict[float, list[dict]]], metric: str) -> float:
+    """The testbed's chance level for ``metric`` (a ladder's ``{setting: {multiple: [runs]}}``):
+    the threshold of the records' chance rule."""
+    runs = [r for points in settings.values() for cell in points.values() for r in cell]
     bounds = {r["chance"]["threshold"] for r in runs
               if (r.get("chance") or {}).get("metric") == metric}
     if len(bounds) != 1:
@@ -95,8 +97,7 @@ def best_rates(runs: list[dict]) -> dict[str, float]:
     out = {}
     for (task, _, _), settings in ladder(runs).items():
         metric = TASK_METRIC[task]
-        bound = chance_bound([r for cells in settings.values() for rs in cells.values() for r in rs],
-                             metric)
+        bound = chance_bound(settings, metric)
         for points in settings.values():
             prefixes = {run_prefix(r) for rs in points.values() for r in rs} - {None}
             best = sensitivity(points, metric, bound)["best"]

@@ -83,8 +83,7 @@ def main(argv=None) -> None:
                          "(python scripts/train.py +exp=<exp> scale=cpu +sweep=stability)")
     for (task, model, data), settings in sorted(points.items()):
         name, metric = f"{model}_{data}", TASK_METRIC[task]
-        bound = chance_bound([r for cells in settings.values() for rs in cells.values() for r in rs],
-                             metric)
+        bound = chance_bound(settings, metric)
         legend = {}
         for label, cells in settings.items():
             lrs = sensitivity(cells, metric, bound)["sensitivity"]

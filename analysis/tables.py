@@ -169,8 +169,7 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
     for (task, model, data), settings in sorted(ladder(runs).items()):
         metric = TASK_METRIC[task]
         digits = DIGITS.get(metric, 1)
-        bound = chance_bound([r for cells in settings.values() for rs in cells.values() for r in rs],
-                             metric)
+        bound = chance_bound(settings, metric)
         reference = reference_method(task)
         summaries = {label: sensitivity(settings[label], metric, bound, stream)
                      for stream, label in enumerate(sorted(settings, key=method_order))}
