@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
+
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 # the paper's method names -> our norm names, in the paper's row order (rivals last)
 METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonorm", "BN": "bn",
@@ -78,6 +84,33 @@ def option_value(run: dict, key: str):
     return given if given is not None else run.get("norm_options", {}).get(key.removeprefix("norm."))
 
 
+@lru_cache(maxsize=None)
+def _config(*parts: str) -> dict:
+    return yaml.safe_load((CONFIGS.joinpath(*parts)).read_text())
+
+
+def superseded_warmup(run: dict) -> bool:
+    """Whether today's CPU rule would give the run a longer norm warm-up than it had: its
+    warm-up (scaled, not given on the command line) ended before its running averages kept at
+    most ``warmup_init_weight`` of their initial values (``configs/scale/cpu.yaml``), the floor
+    ``plugins.scale.warmup_floor`` has set since issue 30. Such a record was made under the
+    earlier rule and is re-run by ``scripts/reproduce_cpu.sh``."""
+    from unnorm.base import forgetting_steps  # here: importing analysis/ loads no torch
+
+    options = run.get("norm_options") or {}
+    warmup = options.get("warmup_iters")
+    momenta = [value for key, value in options.items() if key.startswith("momentum")]
+    if (run.get("scale") != "cpu" or not warmup or not momenta
+            or override_value(run, "norm.warmup_iters") is not None
+            or override_value(run, "scale.warmup_init_weight") is not None):
+        return False
+    weight = _config("scale", "cpu.yaml").get("warmup_init_weight")
+    if weight is None:
+        return False
+    full = _config("norm", f"{run['norm']}.yaml")["warmup_iters"]
+    return warmup < min(full, max(forgetting_steps(m, weight) for m in momenta))
+
+
 def method_order(label: str) -> tuple:
     """Sort key putting settings in the paper's method order (placements: pre, post, peri,
     mix within a method)."""
@@ -107,3 +140,18 @@ def ladder(runs: list[dict]) -> dict[tuple, dict[str, dict[float, list[dict]]]]:
             multiple = float(override_value(run, STABILITY_KEY) or 1)
             points.setdefault(key[0], {}).setdefault(key[1], {}).setdefault(multiple, []).append(run)
     return points
+
+
+def main(argv=None) -> None:
+    """``python -m analysis.runs --superseded RECORDS``: the records under RECORDS (its
+    ``<group>/<run>`` folders, one per line) that today's CPU rule would train differently."""
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--superseded", type=Path, required=True, metavar="RECORDS")
+    root = parser.parse_args(argv).superseded
+    for run in load_runs(root) if root.exists() else []:
+        if superseded_warmup(run):
+            sys.stdout.write(f"{Path(run['_path']).relative_to(root)}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,8 @@ from typing import Callable, Optional
 
 from scipy import stats
 
+from analysis.runs import superseded_warmup
+
 
 @dataclass
 class Cell:
@@ -28,6 +30,7 @@ class Cell:
         chance = [r for r in self.runs if r["status"] == "chance"]
         failed = [r for r in self.runs if r["status"] == "FAIL"]
         dagger = "†" if any(r.get("scale", "full") != "full" for r in self.runs) else ""
+        dagger += "‡" if any(superseded_warmup(r) for r in self.runs) else ""
         parts = []
         if ok:
             spread = f" ± {statistics.stdev(ok):.{digits}f}" if len(ok) > 1 else ""

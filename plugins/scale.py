@@ -8,6 +8,7 @@ from typing import Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from plugins.model_options import check_model_options
+from unnorm.base import forgetting_steps
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options counted in steps
@@ -70,8 +71,25 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
         for option in NORM_STEP_OPTIONS:
             if cfg.norm.get(option) and f"norm.{option}" not in explicit:
                 cfg.norm[option] = max(1, round(cfg.norm[option] * factor))
+        if cfg.norm.get("warmup_iters") and "norm.warmup_iters" not in explicit:
+            cfg.norm.warmup_iters = warmup_floor(cfg.norm, given.norm.warmup_iters,
+                                                 scale.get("warmup_init_weight"))
     OmegaConf.set_struct(cfg, was_struct)
     return cfg
+
+
+def warmup_floor(norm: Mapping, full_warmup: int, init_weight: Optional[float]) -> int:
+    """A norm's scaled warm-up (``norm.warmup_iters``: the phase after which its running
+    averages replace the batch's statistics), lengthened until each of its averages (every
+    ``momentum*`` option) keeps at most ``init_weight`` of its initial value, as at full scale
+    (UN's 4000 steps against 44 at alpha 0.9), and never past ``full_warmup``, the paper's own
+    count. ``init_weight`` None: no floor (the CPU rule before it)."""
+    warmup = norm["warmup_iters"]
+    momenta = [value for key, value in norm.items() if str(key).startswith("momentum")]
+    if init_weight is None or not momenta:
+        return warmup
+    longest = max(forgetting_steps(momentum, init_weight) for momentum in momenta)
+    return min(full_warmup, max(warmup, longest))
 
 
 def norm_steps_per_update(cfg: DictConfig) -> int:

@@ -43,6 +43,9 @@ OUT=${OUT:-runs/cpu_repro}
 # where the records are copied; the tables and figures below read results/runs/cpu, so set
 # it only to copy elsewhere (the tests do)
 RECORDS=${RECORDS:-results/runs/cpu}
+# where a record that the current CPU rule would train differently goes when its re-run lands
+# (python -m analysis.runs --superseded: a warm-up shorter than the floor of issue 30)
+SUPERSEDED_RECORDS=${SUPERSEDED_RECORDS:-results/superseded/warmup_before_floor}
 JOBS=${JOBS:-$(nproc)}
 NORMS="ln rms bn mabn pn pn_ls nonorm un dyt prepbn"
 ANALYSED="swin_t_un swin_t_bn t2t_vit_14_un t2t_vit_14_ln"  # statistics recorded (seed 0)
@@ -202,7 +205,7 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
     # positions up to each one (the lm runs: BN as configured)
     echo "lm_probes/llama_cpu_bn-causal-s$seed +exp=llama_71m_bn norm.causal=true seed=$seed"
     for change in norm.grad_compensation=false norm.bwd_ema=false norm.fwd_gm=false \
-                  norm.outlier_filtration=false norm.warmup_iters=36 norm.warmup_iters=100000; do
+                  norm.outlier_filtration=false norm.warmup_iters=9 norm.warmup_iters=100000; do
       label=${change#norm.}
       echo "lm_probes/llama_cpu_un-b64-${label//=/-}-s$seed +exp=llama_71m_un $b64 $change seed=$seed"; done
   done
@@ -229,8 +232,13 @@ lm_ladder_settings() {  # the LM's settings on the learning-rate ladder: <name> 
 
 run_one() {  # <group>/<name> <overrides...>
   local name=$1; shift
-  # finished here, or recorded (committed) by an earlier grid on any machine
-  [[ -f "$OUT/$name/result.json" || -f "$RECORDS/$name/result.json" ]] && return 0
+  if grep -qxF "$name" "$SUPERSEDED"; then  # made under an earlier rule: trained again
+    [[ -e "$OUT/$name" && ! -f "$OUT/$name/.rerun" ]] && rm -rf "$OUT/$name"
+    mkdir -p "$OUT/$name" && touch "$OUT/$name/.rerun"
+    [[ -f "$OUT/$name/result.json" ]] && return 0
+  else  # finished here, or recorded (committed) by an earlier grid on any machine
+    [[ -f "$OUT/$name/result.json" || -f "$RECORDS/$name/result.json" ]] && return 0
+  fi
   mkdir -p "$OUT/$(dirname "$name")"
   if ! "$PY" scripts/train.py "$@" scale=cpu logger=none "hydra.run.dir=$OUT/$name" \
       > "$OUT/$name.log" 2>&1; then
@@ -240,7 +248,10 @@ run_one() {  # <group>/<name> <overrides...>
   echo "done $name"
 }
 export -f run_one
-export PY OUT RECORDS
+SUPERSEDED=$(mktemp)
+trap 'rm -f "$SUPERSEDED"' EXIT
+"$PY" -m analysis.runs --superseded "$RECORDS" > "$SUPERSEDED"
+export PY OUT RECORDS SUPERSEDED
 
 listing=0
 if [[ "${1:-}" == --list ]]; then listing=1; shift; fi
@@ -274,7 +285,12 @@ for result in "$OUT"/*/*/result.json; do
   [[ -f "$result" ]] || continue  # nothing finished under $OUT: the pattern itself
   run=$(dirname "$result")
   [[ -f "$run/.synced" && ! "$result" -nt "$run/.synced" ]] && continue
-  dest="$RECORDS/$(basename "$(dirname "$run")")/$(basename "$run")"
+  name="$(basename "$(dirname "$run")")/$(basename "$run")"
+  dest="$RECORDS/$name"
+  if grep -qxF "$name" "$SUPERSEDED" && [[ -d "$dest" ]]; then  # kept, not overwritten
+    mkdir -p "$SUPERSEDED_RECORDS/$(dirname "$name")"
+    mv "$dest" "$SUPERSEDED_RECORDS/$name"
+  fi
   rm -rf "$dest"
   mkdir -p "$dest"
   cp "$run"/result.json "$run"/config.yaml "$dest"/

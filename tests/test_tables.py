@@ -349,6 +349,43 @@ def test_reproduction_resumes_from_committed_records(tmp_path):
     assert len(trained) == 1 and f"hydra.run.dir={tmp_path / 'out' / names[0]}" in trained[0]
 
 
+def test_a_record_made_under_an_earlier_rule_is_trained_again_and_kept_aside(tmp_path):
+    """A committed UN record whose warm-up (4 steps, alpha 0.9) ended before the floor (44) is
+    trained again, even with its old run folder finished in $OUT, and the record is moved to
+    $SUPERSEDED_RECORDS, not overwritten; a record the rule leaves alone is not retrained."""
+    records, out, kept = tmp_path / "records", tmp_path / "out", tmp_path / "superseded"
+    listing = subprocess.run(["bash", "scripts/reproduce_cpu.sh", "--list", "detection"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    names = [line.split()[0] for line in listing]
+    old, current = "detection/mask_rcnn_swin_t_un-s0", "detection/mask_rcnn_swin_t_un-s1"
+    for name in names:
+        warmup = 4 if name == old else 44
+        write_run(records / "detection", name.split("/")[1], norm="un", scale="cpu",
+                  norm_options={"warmup_iters": warmup, "momentum": 0.9}, overrides=[])
+    (out / old).mkdir(parents=True)
+    (out / old / "result.json").write_text('{"status": "ok"}')  # the old rule's run, finished
+    calls = tmp_path / "calls"
+    fake_python = tmp_path / "python"  # the listing from the real one; training records a call
+    fake_python.write_text(
+        f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = analysis.runs ]; then exec {sys.executable} "$@"; fi\n'
+        f'echo "$@" >> {calls}\n'
+        'for arg; do case $arg in hydra.run.dir=*) dir=${arg#hydra.run.dir=};; esac; done\n'
+        '[ -n "$dir" ] && echo "{\\"status\\": \\"rerun\\"}" > "$dir/result.json" && echo "seed: 0" > "$dir/config.yaml"\n'
+        'exit 0\n')
+    fake_python.chmod(0o755)
+    before = (records / old / "result.json").read_text()
+    env = {"PATH": "/usr/bin:/bin", "PY": str(fake_python), "OUT": str(out), "RECORDS": str(records),
+           "SUPERSEDED_RECORDS": str(kept), "JOBS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["bash", "scripts/reproduce_cpu.sh", "detection"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    trained = [line for line in calls.read_text().splitlines() if line.startswith("scripts/train.py")]
+    assert len(trained) == 1 and f"hydra.run.dir={out / old}" in trained[0]
+    assert (kept / old / "result.json").read_text() == before
+    assert json.loads((records / old / "result.json").read_text()) == {"status": "rerun"}
+    assert not (kept / current).exists() and (records / current / "result.json").exists()
+
+
 def test_the_ladder_lists_a_third_seed_at_each_settings_best_rate(tmp_path):
     """Two seeds a rate on the translation ladder; once their records rank the rates, the best
     one (here 0.3x, where LN ends highest) is listed with a third seed, and only it."""

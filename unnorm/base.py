@@ -147,6 +147,16 @@ class ChannelNorm(nn.Module):
 TORCH_STYLE_MOMENTUM_BELOW = 0.5
 
 
+def forgetting_steps(momentum: float, init_weight: float) -> int:
+    """Updates after which a running average ``alpha * running + (1 - alpha) * new`` (alpha =
+    ``momentum``) keeps at most ``init_weight`` of its initial value: the smallest n with
+    alpha^n <= init_weight (44 at alpha 0.9 and 1%). Before then the average still reports
+    its initialisation, not the statistics it has seen."""
+    if not 0.0 < init_weight < 1.0:
+        raise ValueError(f"init_weight must be in (0, 1), got {init_weight!r}")
+    return 1 if momentum == 0 else max(1, math.ceil(math.log(init_weight) / math.log(momentum) - 1e-9))
+
+
 def check_momentum(name: str, value) -> float:
     """A momentum option as the paper's alpha: the weight of the OLD value (0.9 keeps 90% of
     the running value per step). torch's BatchNorm momentum is the weight of the NEW batch
