@@ -222,6 +222,45 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
     return tables
 
 
+ATTENTION_LOGIT = "max_attn_logit"  # the language model's largest attention logit (plugins/lm/attention.py)
+
+
+def attention_logit_tables(runs: list[dict]) -> list[Table]:
+    """Wortsman et al.'s (2023) instability signal on each language-model ladder: the largest
+    attention logit at the final evaluation, per setting and learning-rate multiple (the median
+    over the seeds that recorded it, whatever their status, with their largest)."""
+    tables = []
+    for (task, model, data), settings in sorted(ladder(runs).items()):
+        if not any(ATTENTION_LOGIT in r["metrics"] for points in settings.values()
+                   for group in points.values() for r in group):
+            continue
+        multiples = sorted({m for cells in settings.values() for m in cells})
+        rows = []
+        for label in sorted(settings, key=method_order):
+            row = [label]
+            for m in multiples:
+                group = settings[label].get(m, [])
+                logits = [r["metrics"][ATTENTION_LOGIT] for r in group if ATTENTION_LOGIT in r["metrics"]]
+                ended = [r["status"] for r in group if ATTENTION_LOGIT in r["metrics"]]
+                others = ", ".join(f"{status} {ended.count(status)}" for status in ("chance", "FAIL")
+                                   if status in ended)
+                row.append(f"{statistics.median(logits):.3g} (max {max(logits):.3g}, n={len(logits)}"
+                           f"{'; ' + others if others else ''})" if logits else "—")
+            if any(cell != "—" for cell in row[1:]):
+                rows.append(row)
+        tables.append(Table(f"Attention logits: {model} {data}, the largest at the end by "
+                            "learning-rate multiple",
+                            ["setting"] + [f"{m:g}x lr" for m in multiples], rows,
+                            ["The largest pre-softmax attention logit over the layers and heads, "
+                             "on one validation batch at the final evaluation (eval mode): the "
+                             "median over the seeds that recorded it (max, n; how many of them "
+                             "ended at chance or collapsed). '—': no run of the cell recorded it "
+                             "(made before the probe existed); settings without any are left "
+                             "out. Wortsman et al. (2023) tie divergence at high rates to this "
+                             "logit's growth, and qk-layernorm to bounding it."]))
+    return tables
+
+
 def reference_setting(label: str, reference: str, settings) -> str:
     """A setting's baseline on the ladder: the reference method with the same overrides (a
     recipe's other length, say) where that was run and is another setting, else the reference
@@ -556,7 +595,7 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
                     runs, "norm.momentum"),
     ]
     return (tables + lm_tables(runs) + stability_tables(runs) + sensitivity_tables(runs)
-            + sam_tables(runs, benchmarks)
+            + attention_logit_tables(runs) + sam_tables(runs, benchmarks)
             + settings_tables(runs))
 
 

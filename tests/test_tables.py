@@ -300,6 +300,34 @@ def test_placements_under_each_embedding_scale(tmp_path):
     assert table_row(markdown, title, "Post-LN")[2].startswith("3.310 ± 0.010 (n=3)†; vs Pre-LN -0.300 (p=")
 
 
+def test_the_attention_logit_table_gives_each_rates_median_and_max_with_how_runs_ended(tmp_path):
+    """Per setting and rate: the median of the recorded logits, their max, n and how many
+    ended at chance; a cell whose runs predate the probe is '—', a setting without any logit
+    is left out."""
+    runs = tmp_path / "runs"
+    chance = {"metric": "val_loss", "threshold": 5.7, "lower_is_better": True}
+    cells = {("ln", "", 0.3): [(5.0, 9.0, "ok"), (5.1, 10.0, "ok"), (5.2, 20.0, "ok")],
+             ("ln", "", 100): [(6.0, 1e6, "chance"), (5.5, 2e4, "ok")],
+             ("ln", "", 1): [(3.9, None, "ok")],
+             ("rms", "", 0.3): [(5.0, None, "ok")]}
+    for (norm, extra, multiple), seeds in cells.items():
+        for seed, (loss, logit, status) in enumerate(seeds):
+            metrics = {"val_loss": loss, **({"max_attn_logit": logit} if logit else {})}
+            over = [f"+exp=llama_71m_{norm}", f"seed={seed}"]
+            if multiple != 1:
+                over.append(f"lr_multiple={multiple:g}")
+            write_run(runs, f"{norm}-{multiple:g}-{seed}", task="language_modelling",
+                      model="llama_cpu", exp_data="lm_c4", norm=norm, norm_position="pre",
+                      scale="cpu", seed=seed, chance=chance, status=status, metrics=metrics,
+                      overrides=over)
+    markdown = make_tables(runs, tmp_path / "out")
+    title = "Attention logits: llama_cpu lm_c4, the largest at the end by learning-rate multiple"
+    row = table_row(markdown, title, "Pre-LN")
+    assert row[1:] == ["10 (max 20, n=3)", "—", "5.1e+05 (max 1e+06, n=2; chance 1)"]
+    with pytest.raises(AssertionError):
+        table_row(markdown, title, "Pre-RMSNorm")
+
+
 def test_reproduction_copies_each_runs_records_once(tmp_path):
     """reproduce_cpu.sh copies a finished run's records to $RECORDS, and not again: a record
     changed after the copy (a relabelling, a re-run on another machine) is not overwritten by
