@@ -95,7 +95,7 @@ def superseded_warmup(run: dict) -> bool:
     most ``warmup_init_weight`` of their initial values (``configs/scale/cpu.yaml``), the floor
     ``plugins.scale.warmup_floor`` has set since issue 30. Such a record was made under the
     earlier rule and is re-run by ``scripts/reproduce_cpu.sh``."""
-    from unnorm.base import forgetting_steps  # here: importing analysis/ loads no torch
+    from unnorm.base import forgotten_warmup  # here: importing analysis/ loads no torch
 
     options = run.get("norm_options") or {}
     warmup = options.get("warmup_iters")
@@ -108,7 +108,7 @@ def superseded_warmup(run: dict) -> bool:
     if weight is None:
         return False
     full = _config("norm", f"{run['norm']}.yaml")["warmup_iters"]
-    return warmup < min(full, max(forgetting_steps(m, weight) for m in momenta))
+    return warmup < forgotten_warmup(warmup, full, momenta, weight)
 
 
 def method_order(label: str) -> tuple:

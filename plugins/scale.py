@@ -8,7 +8,7 @@ from typing import Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from plugins.model_options import check_model_options
-from unnorm.base import forgetting_steps
+from unnorm.base import forgotten_warmup
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options counted in steps
@@ -18,10 +18,11 @@ _ABSENT = object()
 #: what a valid range in ``check_ranges`` may say, and its test
 RANGE_TESTS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1,
                "> 1": lambda v: v > 1, "in [0, 1]": lambda v: 0 <= v <= 1,
-               "in [0, 1)": lambda v: 0 <= v < 1}
+               "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1}
 
 #: options every task reads, with their valid ranges (``check_ranges``)
 COMMON_RANGES = {"lr_multiple": "> 0", "scale.num_workers": ">= 0",
+                 "scale.warmup_init_weight": "null or in (0, 1)",
                  "scale.max_steps_per_epoch": "null or >= 1", "collapse.loss_multiple": "> 1",
                  "collapse.ema": "in [0, 1)", "collapse.min_steps": ">= 0",
                  "collapse.check_every": ">= 1"}
@@ -84,12 +85,10 @@ def warmup_floor(norm: Mapping, full_warmup: int, init_weight: Optional[float]) 
     ``momentum*`` option) keeps at most ``init_weight`` of its initial value, as at full scale
     (UN's 4000 steps against 44 at alpha 0.9), and never past ``full_warmup``, the paper's own
     count. ``init_weight`` None: no floor (the CPU rule before it)."""
-    warmup = norm["warmup_iters"]
     momenta = [value for key, value in norm.items() if str(key).startswith("momentum")]
     if init_weight is None or not momenta:
-        return warmup
-    longest = max(forgetting_steps(momentum, init_weight) for momentum in momenta)
-    return min(full_warmup, max(warmup, longest))
+        return norm["warmup_iters"]
+    return forgotten_warmup(norm["warmup_iters"], full_warmup, momenta, init_weight)
 
 
 def norm_steps_per_update(cfg: DictConfig) -> int:

@@ -88,3 +88,9 @@ def test_forgetting_steps_is_the_closed_form():
     assert forgetting_steps(0.1, 0.01) == 2  # exactly 0.1^2: no float round-up to 3
     with pytest.raises(ValueError, match="init_weight"):
         forgetting_steps(0.9, 0.0)
+
+
+@pytest.mark.parametrize("weight", ["0", "1", "1.5"])
+def test_a_warmup_init_weight_outside_0_1_is_refused_by_name(weight):
+    with pytest.raises(ValueError, match=r"scale.warmup_init_weight must be null or in \(0, 1\)"):
+        _effective("+exp=swin_t_un", "scale=cpu", f"scale.warmup_init_weight={weight}")

@@ -157,6 +157,14 @@ def forgetting_steps(momentum: float, init_weight: float) -> int:
     return 1 if momentum == 0 else max(1, math.ceil(math.log(init_weight) / math.log(momentum) - 1e-9))
 
 
+def forgotten_warmup(warmup: int, full_warmup: int, momenta, init_weight: float) -> int:
+    """``warmup`` lengthened until every running average (alpha in ``momenta``) keeps at most
+    ``init_weight`` of its initial value, and never past ``full_warmup``: a warm-up that ends
+    only once the averages that replace the batch's statistics report what they have seen."""
+    longest = max(forgetting_steps(momentum, init_weight) for momentum in momenta)
+    return min(full_warmup, max(warmup, longest))
+
+
 def check_momentum(name: str, value) -> float:
     """A momentum option as the paper's alpha: the weight of the OLD value (0.9 keeps 90% of
     the running value per step). torch's BatchNorm momentum is the weight of the NEW batch
