@@ -16,9 +16,11 @@ import yaml
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-# the paper's method names -> our norm names, in the paper's row order (rivals last)
+# the paper's method names -> our norm names, in the paper's row order (rivals, then the
+# literature's other norms, last)
 METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonorm", "BN": "bn",
-                "MABN": "mabn", "PN": "pn", "UN": "un", "DyT": "dyt", "PRepBN": "prepbn"}
+                "MABN": "mabn", "PN": "pn", "UN": "un", "DyT": "dyt", "PRepBN": "prepbn",
+                "BCN": "bcn", "EvoNorm-B0": "evonorm_b0", "EvoNorm-S0": "evonorm_s0"}
 NORM_METHODS = {norm: method for method, norm in METHOD_NORMS.items()}
 STABILITY_KEY = "lr_multiple"  # the learning-rate ladder of the stability map
 #: each task's headline metric, and the metrics where lower is better
@@ -62,9 +64,12 @@ def override_value(run: dict, key: str) -> Optional[str]:
 
 
 def changes(run: dict, ignore: tuple[str, ...] = ()) -> list[str]:
-    """The run's overrides that change what it trains (not how it was launched), sorted."""
+    """The run's overrides that change what it trains (not how it was launched), sorted. The
+    norm a composed experiment chooses (``+exp=swin_t norm=bcn``) is the run's method, as in
+    ``+exp=swin_t_bcn``, not a change to it."""
     return sorted(item for item in run.get("overrides", [])
-                  if not item.lstrip("+").startswith(RUN_MECHANICS + ignore))
+                  if not item.lstrip("+").startswith(RUN_MECHANICS + ignore)
+                  and item.partition("=")[0] != "norm")
 
 
 def setting(run: dict, ignore: tuple[str, ...] = ()) -> str:

@@ -17,8 +17,6 @@ from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
 
 #: the ways of training through the norms (sam=..., train_only=...): tabled on their own
 TRAINING_THROUGH_NORMS = ("sam=", "train_only=")
-SWEEP_PREFIXES = ("norm.", "+norm.", "+ablation", "+sweep", "recipe.", "model.", "data.",
-                  STABILITY_KEY, *TRAINING_THROUGH_NORMS)
 CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
             "generated shapes), not the paper's dataset or schedule.")
 
@@ -31,8 +29,9 @@ SUPERSEDED_NOTE = ("‡ with runs whose norm warm-up ended before its running av
 
 
 def is_default(run: dict) -> bool:
-    """A run of an experiment as configured (no sweep or ablation override)."""
-    return not any(item.startswith(SWEEP_PREFIXES) for item in run.get("overrides", []))
+    """A run of an experiment as configured: no override changes what it trains (a sweep, an
+    ablation, a rate, Weight Standardization, ...)."""
+    return not changes(run)
 
 
 def paper_text(value) -> str:

@@ -75,6 +75,8 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
         if cfg.norm.get("warmup_iters") and "norm.warmup_iters" not in explicit:
             cfg.norm.warmup_iters = warmup_floor(cfg.norm, given.norm.warmup_iters,
                                                  scale.get("warmup_init_weight"))
+    if scale.get("scale_norm_groups") and cfg.norm.get("groups") and "norm.groups" not in explicit:
+        cfg.norm.groups = scaled_groups(cfg.norm.groups, _width(cfg.model), _width(given.model))
     OmegaConf.set_struct(cfg, was_struct)
     return cfg
 
@@ -89,6 +91,23 @@ def warmup_floor(norm: Mapping, full_warmup: int, init_weight: Optional[float]) 
     if init_weight is None or not momenta:
         return norm["warmup_iters"]
     return forgotten_warmup(norm["warmup_iters"], full_warmup, momenta, init_weight)
+
+
+def scaled_groups(groups: int, width: int, full_width: int) -> int:
+    """A grouped norm's ``groups`` (BCN's, EvoNorm-S0's) for a model ``width`` channels wide
+    whose full-scale model is ``full_width``: the full scale's channels a group kept (the
+    release's 32 groups are 16 channels at the LM's 512, so 4 at its CPU width 64, not 32
+    groups of two, where a group's standardisation is a sign); at least one group."""
+    return max(1, round(groups * width / full_width))
+
+
+def _width(model: DictConfig) -> int:
+    width = model.get("width")
+    if width is None:
+        raise ValueError(f"model {model.get('name')!r} has no `width` (the channels its first "
+                         "norms see), which scale.scale_norm_groups scales a norm's groups by: "
+                         "add it to configs/model/, or set norm.groups on the command line")
+    return width
 
 
 def norm_steps_per_update(cfg: DictConfig) -> int:

@@ -94,3 +94,37 @@ def test_forgetting_steps_is_the_closed_form():
 def test_a_warmup_init_weight_outside_0_1_is_refused_by_name(weight):
     with pytest.raises(ValueError, match=r"scale.warmup_init_weight must be null or in \(0, 1\)"):
         _effective("+exp=swin_t_un", "scale=cpu", f"scale.warmup_init_weight={weight}")
+
+
+@pytest.mark.parametrize("exp, norm, groups", [("llama_71m_ln", "bcn", 4), ("iwslt14_ln", "bcn", 4),
+                                               ("t2t_vit_14_ln", "evonorm_s0", 5),
+                                               ("swin_t_ln", "evonorm_s0", 11)])
+def test_a_grouped_norm_keeps_the_full_scales_channels_a_group(exp, norm, groups):
+    """32 groups at the full model's width w are w / 32 channels a group: at the CPU width the
+    groups are as many as keep that (LM: 64 / (512 / 32) = 4), not 32 groups of two."""
+    full = _effective(f"+exp={exp}", f"norm={norm}")
+    cpu = _effective(f"+exp={exp}", f"norm={norm}", "scale=cpu")
+    assert full.norm.groups == 32 and cpu.model.width < full.model.width
+    assert cpu.norm.groups == round(cpu.model.width / (full.model.width / 32)) == groups
+    assert _effective(f"+exp={exp}", f"norm={norm}", "scale=cpu", "norm.groups=32").norm.groups == 32
+    off = _effective(f"+exp={exp}", f"norm={norm}", "scale=cpu", "scale.scale_norm_groups=false")
+    assert off.norm.groups == 32
+
+
+def test_the_lm_norms_get_the_scaled_groups_sixteen_channels_each():
+    from plugins.lm.model import build_lm
+    from unnorm.bcn import BatchChannelNorm
+    cfg = _effective("+exp=llama_71m_ln", "norm=bcn", "scale=cpu")
+    model = build_lm(cfg.model, cfg.norm, vocab_size=32)
+    norms = [m for m in model.modules() if isinstance(m, BatchChannelNorm)]
+    assert norms and {(m.num_features // m.groups) for m in norms} == {512 // 32}
+
+
+def test_a_model_without_a_width_is_refused_naming_the_fix():
+    from omegaconf import OmegaConf
+    from plugins.scale import effective_config
+    cfg = config("+exp=llama_71m_ln", "norm=bcn", "scale=cpu")
+    OmegaConf.set_struct(cfg, False)
+    del cfg.model["width"]
+    with pytest.raises(ValueError, match="no `width`.*norm.groups"):
+        effective_config(cfg, ["scale=cpu"])

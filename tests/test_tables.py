@@ -60,6 +60,24 @@ def test_cells_summarise_seeds_failures_and_cpu_scale(tmp_path):
     assert "81.0 $\\pm$ 1.0 (n=3)" in tex and "\\begin{tabular}" in tex
 
 
+def test_a_composed_norm_is_its_method_and_weight_standardization_a_change(tmp_path):
+    """``+exp=swin_t norm=bcn`` is BCN as configured, as ``+exp=swin_t_un`` is UN; adding
+    ``ws=transformer`` changes what trains, so it is neither BCN's default cell nor merged in."""
+    runs = tmp_path / "runs"
+    cpu = {"scale": "cpu", "norm": "bcn"}
+    write_run(runs, "bcn", overrides=["+exp=swin_t", "norm=bcn"], metrics={"top1": 70.0}, **cpu)
+    write_run(runs, "bcn_ws", overrides=["+exp=swin_t", "norm=bcn", "ws=transformer"],
+              metrics={"top1": 10.0}, **cpu)
+    write_run(runs, "evonorm", norm="evonorm_s0", overrides=["+exp=swin_t", "norm=evonorm_s0"],
+              metrics={"top1": 60.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 2", "BCN")[1] == "— / 70.0 (n=1)†"
+    assert table_row(markdown, "Table 2", "EvoNorm-S0")[1] == "— / 60.0 (n=1)"
+    settings = "CPU-scale settings: swin_t imagenet"
+    assert table_row(markdown, settings, "BCN")[1:3] == ["70.0 (n=1)†", "—"]
+    assert table_row(markdown, settings, "BCN ws=transformer")[1:3] == ["10.0 (n=1)†", "BCN"]
+
+
 def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     runs = tmp_path / "runs"
     detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco"}

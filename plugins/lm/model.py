@@ -101,9 +101,9 @@ LM_OPTIONS = {"norm_position": "pre", "mix_post_fraction": 0.25, "embedding_norm
 INITS = ("hf", "mixln")
 #: Mix-LN's release draws its token embeddings with this std at every width
 MIXLN_EMBEDDING_STD = math.sqrt(2 / 5)
-#: keys of a Hydra model config that are no model fields: its name, and its scale variants
-#: (``cpu:``), which the scale switch has already merged in
-_LABELS = {"name"} | {path.stem for path in (CONFIGS / "scale").glob("*.yaml")}
+#: keys of a Hydra model config that are no model fields: its name, its scale variants
+#: (``cpu:``), which the scale switch has already merged in, and the width it scales groups by
+_LABELS = {"name", "width"} | {path.stem for path in (CONFIGS / "scale").glob("*.yaml")}
 _ALIASES = {"context": "max_position_embeddings"}
 _LLAMA_EXTRA = {"rope_theta"}  # legacy LlamaConfig keyword, taken into rope_parameters
 
