@@ -20,7 +20,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from .plots import save_figure
-from .sensitivity import chance_bound, sensitivity
+from .sensitivity import bounded, chance_bound, sensitivity
 from .significance import DIGITS
 from .runs import (LOWER_IS_BETTER, STABILITY_KEY, TASK_METRIC, figure_args, ladder, load_runs,
                    method_order)
@@ -35,19 +35,24 @@ def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
 
 
 def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, metric: str,
-                   path: Path, legend: Optional[dict[str, str]] = None) -> Path:
+                   path: Path, bound: float, legend: Optional[dict[str, str]] = None) -> Path:
     """Mean metric of the runs that learned (line) per multiple; hollow circles mark runs that
-    finished at chance (at their metric); an x at the worst edge (the bottom, or the top where
-    lower is better) marks each multiple where runs collapsed, labelled with the collapsed
-    fraction. ``legend``: each setting's legend text (default: its label)."""
+    finished at chance, drawn at the chance level ``bound`` (dotted), as the sensitivity counts
+    them (an eval loss of 1e14 would otherwise set the axis); an x at the worst edge (the
+    bottom, or the top where lower is better) marks each multiple where runs collapsed,
+    labelled with the collapsed fraction. ``legend``: each setting's legend text (default: its
+    label)."""
     fig = Figure(figsize=(10, 5.2))
     ax = fig.add_subplot()
     colours = [f"C{i}" for i in range(10)] + [colormaps["tab20b"](i / 20) for i in range(0, 20, 2)]
     edge = 1.0 if metric in LOWER_IS_BETTER else 0.0  # axes fraction: where collapses show
     at_edge = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    ax.axhline(bound, linestyle=":", linewidth=0.8, color="grey")
     for index, label in enumerate(sorted(settings, key=method_order)):
         colour = colours[index % len(colours)]
-        cells = {m: outcomes(runs, metric) for m, runs in settings[label].items()}
+        cells = {m: {**outcomes(runs, metric),
+                     "chance": [bounded(r, metric, bound) for r in runs if r["status"] == "chance"]}
+                 for m, runs in settings[label].items()}
         multiples = sorted(cells)
         finished = [(m, statistics.mean(cells[m]["ok"])) for m in multiples if cells[m]["ok"]]
         if finished:
@@ -68,8 +73,8 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
     ax.set_xlabel("learning rate, multiple of the recipe's")
     ax.set_ylabel(f"{metric} (mean of the runs that learned)")
     where = "top" if edge else "bottom"
-    ax.set_title(f"{title}\nhollow: runs at chance; x at the {where}: collapsed runs (FAIL), "
-                 "with the fraction of seeds", fontsize=9)
+    ax.set_title(f"{title}\nhollow: runs at chance, drawn at the chance level (dotted); x at the "
+                 f"{where}: collapsed runs (FAIL), with the fraction of seeds", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return save_figure(fig, path)
@@ -89,7 +94,7 @@ def main(argv=None) -> None:
             lrs = sensitivity(cells, metric, bound)["sensitivity"]
             legend[label] = label if lrs is None else f"{label} (sensitivity {lrs:.{DIGITS.get(metric, 1)}f})"
         plot_stability(settings, f"Stability: {model} on {data}", metric,
-                       args.out / f"{name}.png", legend)
+                       args.out / f"{name}.png", bound, legend)
         serialisable = {label: {f"{m:g}": outcomes(settings[label][m], TASK_METRIC[task])
                                 for m in sorted(settings[label])}
                         for label in sorted(settings, key=method_order)}

@@ -147,6 +147,21 @@ def test_stability_map_table_and_figure(tmp_path):
     assert (tmp_path / "fig" / "t2t_vit_14_digits.png").stat().st_size > 10_000
 
 
+def test_the_stability_figure_draws_a_run_at_chance_at_the_chance_level(tmp_path, monkeypatch):
+    """An eval loss of 1e14 at chance (BN's in the LM) is drawn on the chance line, as the
+    sensitivity counts it, so the learning runs' curves keep the axis."""
+    import analysis.stability as stability
+    drawn = {}
+    monkeypatch.setattr(stability, "save_figure", lambda fig, path: drawn.setdefault("fig", fig))
+    lm = {"task": "language_modelling", "norm": "bn", "overrides": [], "metrics": {}}
+    settings = {"Pre-LN": {1.0: [{**lm, "norm": "ln", "status": "ok", "metrics": {"val_loss": 3.9}}],
+                           3.0: [{**lm, "norm": "ln", "status": "ok", "metrics": {"val_loss": 3.5}}]},
+                "Pre-BN": {1.0: [{**lm, "status": "chance", "metrics": {"val_loss": 1.8e14}}]}}
+    stability.plot_stability(settings, "t", "val_loss", tmp_path / "f.png", bound=5.7)
+    ax = drawn["fig"].axes[0]
+    chance_points = [y for collection in ax.collections for _, y in collection.get_offsets()]
+    assert chance_points == [5.7] and ax.get_ylim()[1] < 10
+
 def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
                  overrides=(), batch_size=16, **metrics) -> None:
     """A language-modelling run with a two-point validation curve in its metrics.jsonl."""
