@@ -132,6 +132,16 @@ def where(run: dict) -> tuple:
     return (run.get("task", "classification"), run.get("model"), run.get("exp_data"))
 
 
+def micro_batch(run: dict) -> int:
+    """The images (sequences) a classification run's norms saw per forward/backward. A record
+    made before micro-batches (issue 33) has no ``micro_batch_size``: its run trained on whole
+    batches, its config's (``config.yaml`` beside the record, the recipe as it ran)."""
+    if "micro_batch_size" in run:
+        return run["micro_batch_size"]
+    config = yaml.safe_load((Path(run["_path"]) / "config.yaml").read_text())
+    return config["recipe"]["batch_size"]
+
+
 def ladder(runs: list[dict]) -> dict[tuple, dict[str, dict[float, list[dict]]]]:
     """The stability map's runs: ``{(task, model, data): {setting: {lr multiple: [runs]}}}``
     for every (task, model, data) and setting the ladder (``lr_multiple``) was run for; a run

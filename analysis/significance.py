@@ -126,10 +126,11 @@ class Comparisons:
 
 def with_tests(rows: list[list], comparisons: Comparisons, prefix: str = "") -> list[list[str]]:
     """``rows`` with every ``Comparisons.add`` placeholder (a ``(text, index)`` pair) replaced
-    by ``text`` and the test's result."""
+    by ``text``, ``prefix`` (where there is a text) and the test's result."""
     texts = comparisons.texts()
     return [[cell if isinstance(cell, str) else
-             (cell[0] or "—" if texts[cell[1]] == "—" else f"{cell[0]}{prefix}{texts[cell[1]]}")
+             (cell[0] or "—" if texts[cell[1]] == "—" else
+              f"{cell[0]}{prefix if cell[0] else ''}{texts[cell[1]]}")
              for cell in row] for row in rows]
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 from analysis.runs import (LOWER_IS_BETTER, METHOD_NORMS, NORM_METHODS, PLACEMENT_NAMES, STABILITY_KEY,
-                           TASK_METRIC, changes, ladder, method_order, option_value, override_value,
-                           setting, where)
+                           TASK_METRIC, changes, ladder, method_order, micro_batch, option_value,
+                           override_value, setting, where)
 from analysis.sensitivity import (BOOTSTRAP_SAMPLES, MIN_RATES, chance_bound, difference_interval,
                                   sensitivity)
 from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
@@ -305,6 +305,60 @@ def settings_tables(runs: list[dict]) -> list[Table]:
     return tables
 
 
+MICRO_BATCH_KEY = "recipe.cpu.micro_batch_size"
+#: the micro-batch question's rows (issue 33): each setting, as ``setting`` names it without
+#: the micro-batch, and its row's name
+MICRO_BATCH_SETTINGS = {"LN": "LN", "BN": "BN", "MABN": "MABN", "UN": "UN", "BCN": "BCN",
+                        "BCN ws=transformer": "BCN + WS", "EvoNorm-B0": "EvoNorm-B0",
+                        "EvoNorm-S0": "EvoNorm-S0"}
+
+
+def micro_batch_tables(runs: list[dict]) -> list[Table]:
+    """Classification by micro-batch, the BCN and MABN papers' question, for each model the
+    sweep ran: the norms' batch statistics see the micro-batch while every update accumulates
+    the recipe's images. Each norm against LN at the same micro-batch, and against itself at
+    the largest."""
+    def micro(run: dict) -> str:
+        return setting(run, (MICRO_BATCH_KEY,))
+
+    swept = {where(r) for r in runs if r.get("task") == "classification"
+             and override_value(r, MICRO_BATCH_KEY) is not None}
+    tables = []
+    for place in sorted(swept):
+        group = [r for r in runs if where(r) == place and r.get("scale", "full") != "full"
+                 and micro(r) in MICRO_BATCH_SETTINGS]
+        sizes = sorted({micro_batch(r) for r in group})
+        cells = {(label, size): Cell([r for r in group if micro(r) == label
+                                      and micro_batch(r) == size])
+                 for label in MICRO_BATCH_SETTINGS for size in sizes}
+        comparisons, rows = Comparisons(), []
+        for label, name in MICRO_BATCH_SETTINGS.items():
+            own = [cells[(label, size)] for size in sizes]
+            if not any(cell.runs for cell in own):
+                continue
+            row: list = [name]
+            for size, cell in zip(sizes, own):
+                row.append(cell.text("top1") if label == "LN" or not cell.runs else
+                           (cell.text("top1"),
+                            comparisons.add(cell.values("top1"), cells[("LN", size)].values("top1"))))
+            smallest, largest = own[0], own[-1]
+            row.append(("", comparisons.add(smallest.values("top1"), largest.values("top1")))
+                       if smallest.runs and largest.runs and len(sizes) > 1 else "—")
+            rows.append(row)
+        images = sorted({micro_batch(r) * r.get("accumulate", 1) * r.get("world_size", 1)
+                         for r in group})
+        tables.append(Table(
+            f"Micro-batch training: {place[1]} {place[2]}, top-1 (%) by images per micro-batch",
+            ["norm", *map(str, sizes), f"{sizes[0]} vs {sizes[-1]}"],
+            with_tests(rows, comparisons, "; vs LN "),
+            [f"A norm's batch statistics see the micro-batch in the column; each update "
+             f"accumulates {', '.join(map(str, images))} images (micro-batch x accumulation). "
+             f"'vs LN': LN at the same micro-batch; the last column: the norm at {sizes[0]} "
+             f"against itself at {sizes[-1]}. BCN + WS: Weight Standardization on the "
+             f"Transformer's linear layers (ws=transformer). {comparisons.note()}"]))
+    return tables
+
+
 def through_norms(run: dict) -> list[str]:
     """The run's ``sam=``/``train_only=`` overrides (none: the recipe's optimizer, all
     parameters)."""
@@ -595,7 +649,7 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
     ]
     return (tables + lm_tables(runs) + stability_tables(runs) + sensitivity_tables(runs)
             + attention_logit_tables(runs) + sam_tables(runs, benchmarks)
-            + settings_tables(runs))
+            + micro_batch_tables(runs) + settings_tables(runs))
 
 
 def _coco_metric(column: str) -> str:

@@ -162,6 +162,62 @@ def test_the_stability_figure_draws_a_run_at_chance_at_the_chance_level(tmp_path
     chance_points = [y for collection in ax.collections for _, y in collection.get_offsets()]
     assert chance_points == [5.7] and ax.get_ylim()[1] < 10
 
+def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp_path):
+    """Rows: norms (BCN + WS its own row, not BCN's); columns: images per micro-batch (a record
+    made before micro-batches: its config's batch); each cell against LN at the same
+    micro-batch, the last column the norm's 2 against its 64, the runs at chance counted
+    apart; another change (a momentum) is not the norm's setting."""
+    from scipy import stats
+
+    from analysis.significance import holm
+    runs = tmp_path / "runs"
+    values = {("ln", (), 64): [80.0, 82.0, 81.0], ("ln", (), 2): [79.0, 80.0, 82.0],
+              ("bn", (), 64): [78.0, 79.0, 81.0], ("bn", (), 2): [40.0, 45.0],
+              ("bcn", (), 2): [75.0, 76.0, 78.0], ("bcn", ("ws=transformer",), 2): [70.0, 72.0, 71.5]}
+    for (norm, extra, size), tops in values.items():
+        micro = [] if size == 64 else [f"recipe.cpu.micro_batch_size={size}"]
+        for seed, top1 in enumerate(tops):
+            write_run(runs, f"{norm}{''.join(extra)}-mb{size}-s{seed}", norm=norm, scale="cpu",
+                      seed=seed, micro_batch_size=size, accumulate=64 // size,
+                      overrides=["+exp=swin_t", f"norm={norm}", *extra, *micro, f"seed={seed}"],
+                      metrics={"top1": top1})
+    # a record made before micro-batches: no micro_batch_size; its config gives the batch
+    record = runs / "ln-mb64-s2" / "result.json"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items()
+                                  if k not in ("micro_batch_size", "accumulate")}))
+    (record.parent / "config.yaml").write_text("recipe:\n  batch_size: 64\n")
+    write_run(runs, "bn-mb2-chance", norm="bn", scale="cpu", micro_batch_size=2, accumulate=32,
+              status="chance", overrides=["+exp=swin_t_bn", "recipe.cpu.micro_batch_size=2"],
+              metrics={"top1": 10.0})
+    write_run(runs, "bn-mb2-momentum", norm="bn", scale="cpu", micro_batch_size=2, accumulate=32,
+              overrides=["+exp=swin_t_bn", "recipe.cpu.micro_batch_size=2", "norm.momentum=0.5"],
+              metrics={"top1": 20.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    title = "Micro-batch training: swin_t imagenet"
+    tests = [(values[("bn", (), 2)], values[("ln", (), 2)]),  # in the table's order
+             (values[("bn", (), 64)], values[("ln", (), 64)]),
+             (values[("bn", (), 2)], values[("bn", (), 64)]),
+             (values[("bcn", (), 2)], values[("ln", (), 2)]),
+             (values[("bcn", ("ws=transformer",), 2)], values[("ln", (), 2)]),
+             (values[("ln", (), 2)], values[("ln", (), 64)])]
+    ps = [stats.ttest_ind(a, b, equal_var=False).pvalue for a, b in tests]
+    adjusted = holm(ps)
+
+    def result(i: int) -> str:
+        a, b = tests[i]
+        mark = "**" if adjusted[i] < 0.05 else "*" if ps[i] < 0.05 else ""
+        return f"{sum(a) / len(a) - sum(b) / len(b):+.1f} (p={ps[i]:.2g}){mark}"
+    assert table_row(markdown, title, "norm")[1:] == ["2", "64", "2 vs 64"]
+    assert table_row(markdown, title, "LN")[1:] == ["80.3 ± 1.5 (n=3)†", "81.0 ± 1.0 (n=3)†", result(5)]
+    assert table_row(markdown, title, "BN")[1:] == [
+        f"42.5 ± 3.5 (n=2); chance 1/3†; vs LN {result(0)}",
+        f"79.3 ± 1.5 (n=3)†; vs LN {result(1)}", result(2)]
+    assert table_row(markdown, title, "BCN")[1:] == [f"76.3 ± 1.5 (n=3)†; vs LN {result(3)}", "—", "—"]
+    assert table_row(markdown, title, "BCN + WS")[1:] == [
+        f"71.2 ± 1.0 (n=3)†; vs LN {result(4)}", "—", "—"]
+    assert "each update accumulates 64 images" in markdown
+
+
 def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
                  overrides=(), batch_size=16, **metrics) -> None:
     """A language-modelling run with a two-point validation curve in its metrics.jsonl."""
