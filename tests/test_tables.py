@@ -216,6 +216,12 @@ def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp
     assert table_row(markdown, title, "BCN + WS")[1:] == [
         f"71.2 ± 1.0 (n=3)†; vs LN {result(4)}", "—", "—"]
     assert "each update accumulates 64 images" in markdown
+    # the settings table keeps the change the micro-batch table does not take, and leaves
+    # the norms' micro-batches (tested above) out of its own comparisons
+    settings = markdown.split("## CPU-scale settings: swin_t imagenet")[1].split("## ")[0]
+    assert "BN norm.momentum=0.5 recipe.cpu.micro_batch_size=2" in settings
+    assert "LN recipe.cpu.micro_batch_size=2" not in settings
+    assert "ws=transformer" not in settings
 
 
 def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
