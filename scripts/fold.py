@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import unnorm  # noqa: E402
 from plugins.checkpoints import load_checkpoint  # noqa: E402
+from plugins.norms import norm_kwargs  # noqa: E402
 from plugins.timm import fold_model, model_from_config  # noqa: E402
 from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
 
@@ -72,10 +73,12 @@ def main(argv=None) -> None:
         sys.exit(f"no checkpoint at {path}: pass a run directory or its last.pt")
     saved = load_checkpoint(path, trusted=args.trust_checkpoint, opt_in="--trust-checkpoint")
     cfg = OmegaConf.create(saved["config"])
-    norms = {"norm": cfg.norm.name, "model.class_norm": cfg.model.get("class_norm")}
-    for option, name in norms.items():
-        if name is not None and not unnorm.is_foldable(name):
-            sys.exit(f"{option}={name} is an online norm: it does not fold (foldable: "
+    norms = {"norm": (cfg.norm.name, norm_kwargs(cfg.norm)),  # as the run built them
+             "model.class_norm": (cfg.model.get("class_norm"), {})}
+    for option, (name, options) in norms.items():
+        if name is not None and not unnorm.is_foldable(name, **options):
+            sys.exit(f"{option}={name} is an online norm as this run built it: it does not fold "
+                     f"(foldable with their defaults: "
                      f"{[n for n in unnorm.available_norms() if unnorm.is_foldable(n)]})")
     weights = saved["model_ema"] if args.ema else saved["model"]
     if weights is None:

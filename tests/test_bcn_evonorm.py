@@ -430,7 +430,8 @@ def test_without_the_activation_evonorm_is_its_affine_and_folds(name):
     """The release's ``nonlinearity=False``: ``x * gamma + beta`` alone, no statistic (B0's
     moving variance untouched): offline, and it folds into the next linear layer."""
     norm = randomized(unnorm.build_norm(name, C, apply_act=False).double())
-    assert norm.offline and not unnorm.is_offline(name) and norm.v is None
+    assert norm.offline and unnorm.is_offline(name, apply_act=False) and norm.v is None
+    assert unnorm.is_foldable(name, apply_act=False) and not unnorm.is_offline(name)
     assert unnorm.build_norm(name, C).offline is False
     x = tokens()
     close(norm(x), x * norm.weight + norm.bias)
@@ -586,6 +587,24 @@ def test_standardized_linear_layers_fold_only_once_baked():
         unnorm.standardize_weights(model, include="2", eps_form="sqrt")
     with pytest.raises(ValueError, match="include"):
         unnorm.standardize_weights(model, include=[])
+
+
+@pytest.mark.parametrize("standardized, refused", [("3", r"^3 standardise"), (None, r"^2: LayerNorm")])
+def test_a_fold_plan_is_refused_whole_naming_the_layer(standardized, refused):
+    """The first norm of the plan would fold; the second's consumer standardises its weight
+    (or the second norm is online): refused by module name before the first fold is made."""
+    model = torch.nn.Sequential(unnorm.build_norm("bn", C), torch.nn.Linear(C, C),
+                                unnorm.build_norm("ln", C), torch.nn.Linear(C, 2)).double()
+    if standardized:
+        model[2] = unnorm.build_norm("bn", C).double()
+        unnorm.standardize_weights(model, include=standardized)
+    model.eval()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=refused):
+        unnorm.fold_norms(model, {"0": ["1"], "2": ["3"]})
+    assert type(model[0]) is not unnorm.FoldedNorm
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_a_half_precision_layer_standardises_in_float32():

@@ -284,6 +284,9 @@ def test_bad_model_configs_are_refused():
         build_lm(TINY, {"name": "layernorm"})
     with pytest.raises(ValueError, match="final_norm"):
         build_lm(TINY, {"name": "ln"}, final_norm="yes")
+    for name in ("bcn", "evonorm_b0", "evonorm_s0"):  # pooled over later tokens
+        with pytest.raises(ValueError, match="norm.layout=token"):
+            build_lm(TINY, {**config_norm(name), "layout": "image"})
 
 
 def test_hydra_model_config_builds_at_cpu_scale():

@@ -281,6 +281,19 @@ def test_hugging_face_vit_and_bert_take_sepnorm_through_swap_norms_and_separate_
                                        reference(**batch).last_hidden_state, rtol=1e-4, atol=1e-5)
 
 
+def test_separate_class_norms_refuses_a_causal_hugging_face_decoder():
+    """A Llama's first token starts its text: refused by what its attention says (causal),
+    before any norm is wrapped; BERT's attention is not causal (the test above)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    unnorm.swap_norms(model, "rms")
+    with pytest.raises(ValueError, match="attends causally.*unnorm.swap_norms"):
+        unnorm.separate_class_norms(model, "bn")
+    assert not any(isinstance(m, unnorm.SeparateClassNorm) for m in model.modules())
+
+
 @pytest.mark.parametrize("overrides, refused", [
     (["+exp=swin_t", "model.class_norm=bn"], "swin_t has no class token.*t2t_vit_14"),
     (["+exp=t2t_vit_14", "model.class_norm=bn", "model.class_norm_sites=last"],
@@ -321,6 +334,19 @@ def test_the_fold_script_bakes_weight_standardisation_and_freezes_sepnorm_exactl
     with torch.no_grad():
         want, got = run.eval()(images), folded(images)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_the_fold_script_judges_a_norm_by_the_options_it_was_built_with(tmp_path, capsys):
+    """EvoNorm-S0 without its activation (``norm.apply_act=false``) is an affine: the script
+    folds it, where the name alone (an online norm by default) would refuse it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from fold import load_folded, main
+
+    train(config("+exp=t2t_vit_14", "norm=evonorm_s0", "norm.apply_act=false", *QUICK), tmp_path)
+    assert not unnorm.is_foldable("evonorm_s0")
+    main([str(tmp_path)])
+    assert "kept 0 whole" in capsys.readouterr().out
+    assert not any(isinstance(m, unnorm.ChannelNorm) for m in load_folded(tmp_path / "folded.pt").modules())
 
 
 def test_conversion_to_pre_rms_refuses_standardised_layers_until_baked():

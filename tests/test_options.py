@@ -60,6 +60,9 @@ def test_bn_momentum_is_the_weight_of_the_old_running_value():
 @pytest.mark.parametrize("name", unnorm.available_norms())
 def test_is_offline_is_what_the_built_norm_says(name):
     assert unnorm.is_offline(name) == unnorm.build_norm(name, C).offline
+    for options in ({"causal": True, "positions": 4}, {"apply_act": False}):  # options that decide it
+        if set(options) <= set(unnorm.option_names(name)):
+            assert unnorm.is_offline(name, **options) == unnorm.build_norm(name, C, **options).offline
 
 
 def test_offline_norms_are_those_with_a_fixed_inference_affine():

@@ -82,11 +82,9 @@ def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> nn.Module
     scale, shift = scale.double(), shift.double()
     if not linears:
         raise ValueError("no linear consumer given; use to_affine(norm) for such a norm")
-    for linear in linears:
-        if isinstance(linear, StandardizedWeight):
-            raise ValueError(f"{linear!r} standardises its weight in every forward, which would "
-                             "undo a folded scale: bake it first (unnorm.bake_standardized_weights"
-                             "(model), exact for inference), then fold")
+    standardized = [repr(linear) for linear in linears if isinstance(linear, StandardizedWeight)]
+    if standardized:
+        _refuse_standardized(standardized)
     for linear in linears:
         if not _is_pointwise(linear, scale.numel()):
             raise ValueError(f"cannot fold a {scale.numel()}-channel norm into {linear!r}: a "
@@ -101,6 +99,12 @@ def fold_into_linear(norm: nn.Module, linears: Sequence[nn.Module]) -> nn.Module
             linear.bias = nn.Parameter(bias.to(linear.weight.dtype))
         linear.weight.copy_((matrix * scale).reshape(weight.shape))
     return rest
+
+
+def _refuse_standardized(layers: Sequence[str]) -> None:
+    raise ValueError(f"{', '.join(layers)} standardise(s) its weight in every forward, which "
+                     "would undo a folded scale: bake it first (unnorm.bake_standardized_weights"
+                     "(model), exact for inference), then fold")
 
 
 @torch.no_grad()
@@ -118,10 +122,20 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
     as it is. A linear layer may be folded into once only: one reached twice (a name listed
     twice, one module under two names, a weight tied to another module's, as a language
     model's head to its embedding) is refused by name before anything changes. Returns the
-    number of norms replaced.
+    number of norms replaced. So is a norm that cannot fold (online, or in training mode) and
+    a consumer that standardises its weight, named, before anything changes.
     """
     check_folded_once(model, consumers)
     check_not_separated(model, consumers)
+    standardized = [name for names in consumers.values() for name in names
+                    if isinstance(model.get_submodule(name), StandardizedWeight)]
+    if standardized:
+        _refuse_standardized(standardized)
+    for norm_name, linear_names in consumers.items():
+        try:
+            _fold_parts(model.get_submodule(norm_name))
+        except (ValueError, RuntimeError) as error:
+            raise type(error)(f"{norm_name}: {error}") from error
     replaced = 0
     for norm_name, linear_names in consumers.items():
         norm = model.get_submodule(norm_name)

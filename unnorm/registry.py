@@ -54,16 +54,17 @@ def _spec(name: str) -> NormSpec:
     return _NORMS[name.lower()]
 
 
-def is_offline(name: str) -> bool:
-    """True where inference is a fixed per-channel affine (foldable into a linear layer)."""
-    spec = _spec(name)
-    return spec.cls.offline_for(**spec.fixed)
+def is_offline(name: str, **options) -> bool:
+    """True where inference is a fixed per-channel affine (foldable into a linear layer), for
+    the norm built with ``options`` (some decide it: ``causal`` BN, EvoNorm's ``apply_act``)."""
+    spec = _check_options(name, options)
+    return spec.cls.offline_for(**spec.fixed, **options)
 
 
-def is_foldable(name: str) -> bool:
+def is_foldable(name: str, **options) -> bool:
     """True where folding has something to take into a linear layer: an offline norm's whole
     inference, or DyT's affine."""
-    return is_offline(name) or hasattr(_spec(name).cls, "fold_parts")
+    return is_offline(name, **options) or hasattr(_spec(name).cls, "fold_parts")
 
 
 def option_names(name: str) -> list[str]:

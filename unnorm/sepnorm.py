@@ -66,6 +66,20 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (ChannelNorm, nn.LayerNorm, nn.RMSNorm))
 
 
+def _why_no_class_token(model: nn.Module) -> Optional[str]:
+    """Why ``model`` has no class token to separate, where its modules say so (None: they do
+    not): causal attention (Hugging Face's ``is_causal``), whose first token starts the text,
+    or fairseq's layers, whose tokens are time-first ``(T, B, C)``."""
+    for name, module in model.named_modules():
+        if getattr(module, "is_causal", False) is True:
+            return (f"{name or type(model).__name__} attends causally: a decoder's first token is "
+                    "the start of its text, not a class token")
+        if type(module).__module__.partition(".")[0] == "fairseq":
+            return ("fairseq's layers pass time-first (T, B, C) tokens, and its Transformer has no "
+                    "class token")
+    return None
+
+
 def separate_class_norms(model: nn.Module, class_norm: str = "bn", *,
                          include: Union[str, Sequence[str], None] = None,
                          exclude: Union[str, Sequence[str], None] = None,
@@ -74,7 +88,13 @@ def separate_class_norms(model: nn.Module, class_norm: str = "bn", *,
     them, or those whose names match ``include`` and not ``exclude``, ``fnmatch`` patterns) in
     ``SeparateClassNorm``: the norm stays the token norm, and the class token gets
     ``build_norm(class_norm, C, **options)``. Returns the number wrapped; a pattern that
-    matches no norm is refused, naming the model's norms."""
+    matches no norm is refused, naming the model's norms, and so is a model that has no class
+    token where its modules say so (a causal decoder, fairseq's time-first layers)."""
+    why = _why_no_class_token(model)
+    if why is not None:
+        raise ValueError(f"SepNorm separates a class token leading batch-first (B, N, C) tokens "
+                         f"(a ViT's, BERT's [CLS]), and {why}; give every token the model's norm "
+                         f"instead (unnorm.swap_norms(model, {class_norm!r}))")
     def patterns(value):
         return [] if value is None else [value] if isinstance(value, str) else list(value)
     included, excluded = patterns(include), patterns(exclude)

@@ -343,6 +343,11 @@ class _NormFactory:
         self.hidden = config.hidden_size
         self.options = norm_kwargs(norm_cfg)
         unnorm.norm_layer(self.name, **self.options)  # a wrong name or option fails here, first
+        if self.options.get("layout", "token") != "token":
+            raise ValueError(f"norm.layout={self.options['layout']!r} pools each sequence's "
+                             "statistics over all its positions, later tokens included: a causal "
+                             "language model must not see them. Use norm.layout=token (each "
+                             "token's own channels; the default)")
         if "eps" in unnorm.option_names(self.name):
             self.options.setdefault("eps", config.rms_norm_eps)
         if self.name == "rms":
