@@ -277,7 +277,9 @@ MICRO_BATCH_KEY = "recipe.cpu.micro_batch_size"
 #: the micro-batch question's rows (issue 33): each setting, as ``setting`` names it without
 #: the micro-batch, and its row's name
 MICRO_BATCH_SETTINGS = {"LN": "LN", "BN": "BN", "MABN": "MABN", "UN": "UN", "BCN": "BCN",
-                        "BCN ws=transformer": "BCN + WS", "EvoNorm-B0": "EvoNorm-B0",
+                        "BCN ws=transformer": "BCN + WS",
+                        "BCN norm.estimate=true ws=transformer": "BCN EstBN + WS",
+                        "EvoNorm-B0": "EvoNorm-B0",
                         "EvoNorm-S0": "EvoNorm-S0"}
 
 
@@ -363,7 +365,9 @@ def micro_batch_tables(runs: list[dict]) -> list[Table]:
              f"accumulates {', '.join(map(str, images))} images (micro-batch x accumulation). "
              f"'vs LN': LN at the same micro-batch; the last column: the norm at {sizes[0]} "
              f"against itself at {sizes[-1]}. BCN + WS: Weight Standardization on the "
-             f"Transformer's linear layers (ws=transformer). {comparisons.note()}"]))
+             f"Transformer's linear layers (ws=transformer); EstBN: micro-batch BCN, whose BN "
+             f"part normalises by its running estimates in training too (norm.estimate=true). "
+             f"{comparisons.note()}"]))
     return tables
 
 

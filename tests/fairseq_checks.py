@@ -165,7 +165,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
-STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn")  # the norms with running state
+# the norms with running state
+STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn", "bcn", "evonorm_b0")
 
 
 def check_precision(data: str) -> dict:

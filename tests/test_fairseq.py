@@ -365,7 +365,8 @@ def test_padding_is_excluded_from_every_norm(synthetic_data):
     assert summary["bn_without_masks"] > 1e-3  # the check would see leaking padding
 
 
-STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn")  # norms with running state
+# norms with running state
+STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn", "bcn", "evonorm_b0")
 
 
 def test_half_precision_keeps_float32_statistics_and_follows_float32(synthetic_data):
@@ -412,7 +413,7 @@ def test_a_skipped_fp16_update_leaves_every_norm_as_it_was(synthetic_data):
         guarded = summary[f"{norm}/guarded"]
         assert guarded["updates"] == 3, (norm, guarded)  # fairseq skipped the 4th
         assert guarded["scale"] == [64, 32]  # and its scaler backed off
-        assert guarded["steps_before"] == (None if norm == "bn" else 3)
+        assert guarded["steps_before"] == (None if norm in ("bn", "bcn", "evonorm_b0") else 3)
         assert guarded["unchanged"], (norm, guarded)
     for norm in ("un", "prepbn"):
         control = summary[f"{norm}/control"]
