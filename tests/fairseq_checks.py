@@ -214,6 +214,19 @@ def check_groups(data: str) -> dict:
     return summary
 
 
+def check_sepnorm(data: str) -> dict:
+    """``unnorm.separate_class_norms`` on the plugin's Transformer (time-first, no class
+    token): its refusal, and how many norms it wrapped before it (none)."""
+    model, _, _ = build(data, "ln")
+    try:
+        unnorm.separate_class_norms(model, "bn")
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {"refused": refused,
+            "wrapped": sum(isinstance(m, unnorm.SeparateClassNorm) for m in model.modules())}
+
+
 CONTROLS = ("un", "prepbn")  # the norms also run without the guard: the checks can fail
 
 
@@ -398,7 +411,7 @@ def check_gns(data: str, run_dir: str) -> dict:
 
 
 CHECKS = {"padding": check_padding, "same-weights": check_same_weights, "precision": check_precision,
-          "groups": check_groups, "skipped-update": check_skipped_update,
+          "groups": check_groups, "sepnorm": check_sepnorm, "skipped-update": check_skipped_update,
           "loss-scale": check_loss_scale, "norm-state": check_norm_state, "gns": check_gns}
 
 if __name__ == "__main__":

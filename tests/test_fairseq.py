@@ -387,6 +387,12 @@ def test_half_precision_keeps_float32_statistics_and_follows_float32(synthetic_d
             assert result["steps"] == (None if norm == "bn" else 4), (norm, result)
 
 
+def test_separate_class_norms_refuses_fairseqs_time_first_layers(synthetic_data):
+    summary = fairseq_python("tests/fairseq_checks.py", "sepnorm", str(synthetic_data))
+    assert "fairseq's layers pass time-first (T, B, C)" in summary["refused"]
+    assert summary["wrapped"] == 0
+
+
 def test_pn_ls_groups_by_the_attention_heads_of_its_block(synthetic_data):
     """group_num unset (configs/norm/pn_ls.yaml: null): each norm's layer-scale has as many
     groups as its block has attention heads (encoder 4, decoder 2 here), as PowerNorm's

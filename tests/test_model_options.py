@@ -102,6 +102,7 @@ def test_every_paper_experiment_is_its_model_experiment_with_that_norm():
 
 @pytest.mark.parametrize("model, norm", [("swin_t", "bcn"), ("t2t_vit_14", "evonorm_s0"),
                                          ("mask_rcnn_swin_t", "evonorm_b0"), ("iwslt14", "bcn"),
+                                         ("faster_rcnn_swin_t", "evonorm_s0"), ("wmt14", "evonorm_b0"),
                                          ("t2t_vit_14_cifar10", "un")])
 def test_a_norm_composes_as_a_per_norm_file_would(model, norm):
     """``+exp=<model> norm=<name>`` is a paper file's config with the norm group swapped, for

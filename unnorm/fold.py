@@ -121,9 +121,9 @@ def fold_norms(model: nn.Module, consumers: Mapping[str, Sequence[str]]) -> int:
     output; an empty list turns an offline norm into a ``ChannelAffine`` and leaves a DyT
     as it is. A linear layer may be folded into once only: one reached twice (a name listed
     twice, one module under two names, a weight tied to another module's, as a language
-    model's head to its embedding) is refused by name before anything changes. Returns the
-    number of norms replaced. So is a norm that cannot fold (online, or in training mode) and
-    a consumer that standardises its weight, named, before anything changes.
+    model's head to its embedding) is refused by name before anything changes, and so are a
+    norm that cannot fold (online, or in training mode) and a consumer that standardises its
+    weight. Returns the number of norms replaced.
     """
     check_folded_once(model, consumers)
     check_not_separated(model, consumers)

@@ -95,6 +95,7 @@ def separate_class_norms(model: nn.Module, class_norm: str = "bn", *,
         raise ValueError(f"SepNorm separates a class token leading batch-first (B, N, C) tokens "
                          f"(a ViT's, BERT's [CLS]), and {why}; give every token the model's norm "
                          f"instead (unnorm.swap_norms(model, {class_norm!r}))")
+
     def patterns(value):
         return [] if value is None else [value] if isinstance(value, str) else list(value)
     included, excluded = patterns(include), patterns(exclude)
