@@ -367,6 +367,7 @@ def test_padding_is_excluded_from_every_norm(synthetic_data):
 
 # norms with running state
 STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn", "bcn", "evonorm_b0")
+UNCOUNTED = ("bn", "bcn", "evonorm_b0")  # running state without a step counter
 
 
 def test_half_precision_keeps_float32_statistics_and_follows_float32(synthetic_data):
@@ -384,7 +385,7 @@ def test_half_precision_keeps_float32_statistics_and_follows_float32(synthetic_d
             # RepBN's eval adds alpha * x to BN's output: the residual stream grows tenfold
             # over the layers, and its rounding with it
             assert result["eval"] < (10 * outputs if norm == "prepbn" else outputs), (norm, dtype, result)
-            assert result["steps"] == (None if norm == "bn" else 4), (norm, result)
+            assert result["steps"] == (None if norm in UNCOUNTED else 4), (norm, result)
 
 
 def test_separate_class_norms_refuses_fairseqs_time_first_layers(synthetic_data):
@@ -419,7 +420,7 @@ def test_a_skipped_fp16_update_leaves_every_norm_as_it_was(synthetic_data):
         guarded = summary[f"{norm}/guarded"]
         assert guarded["updates"] == 3, (norm, guarded)  # fairseq skipped the 4th
         assert guarded["scale"] == [64, 32]  # and its scaler backed off
-        assert guarded["steps_before"] == (None if norm in ("bn", "bcn", "evonorm_b0") else 3)
+        assert guarded["steps_before"] == (None if norm in UNCOUNTED else 3)
         assert guarded["unchanged"], (norm, guarded)
     for norm in ("un", "prepbn"):
         control = summary[f"{norm}/control"]
