@@ -277,8 +277,10 @@ MICRO_BATCH_KEY = "recipe.cpu.micro_batch_size"
 #: the micro-batch question's rows (issue 33): each setting, as ``setting`` names it without
 #: the micro-batch, and its row's name
 MICRO_BATCH_SETTINGS = {"LN": "LN", "BN": "BN", "MABN": "MABN", "UN": "UN", "BCN": "BCN",
-                        "BCN ws=transformer": "BCN + WS",
-                        "BCN norm.estimate=true ws=transformer": "BCN EstBN + WS",
+                        "BCN ws=residual": "BCN + WS",
+                        "BCN norm.estimate=true ws=residual": "BCN EstBN + WS",
+                        "BCN ws=transformer": "BCN + WS (qkv, fc1)",
+                        "BCN norm.estimate=true ws=transformer": "BCN EstBN + WS (qkv, fc1)",
                         "EvoNorm-B0": "EvoNorm-B0",
                         "EvoNorm-S0": "EvoNorm-S0"}
 
@@ -364,9 +366,11 @@ def micro_batch_tables(runs: list[dict]) -> list[Table]:
             [f"A norm's batch statistics see the micro-batch in the column; each update "
              f"accumulates {', '.join(map(str, images))} images (micro-batch x accumulation). "
              f"'vs LN': LN at the same micro-batch; the last column: the norm at {sizes[0]} "
-             f"against itself at {sizes[-1]}. BCN + WS: Weight Standardization on the "
-             f"Transformer's linear layers (ws=transformer); EstBN: micro-batch BCN, whose BN "
-             f"part normalises by its running estimates in training too (norm.estimate=true). "
+             f"against itself at {sizes[-1]}. BCN + WS: Weight Standardization on the layers "
+             f"writing the residual stream, which the next norm reads (ws=residual: attention "
+             f"output, fc2); (qkv, fc1): on the layers reading the norms instead "
+             f"(ws=transformer); EstBN: micro-batch BCN, whose BN part normalises by its "
+             f"running estimates in training too (norm.estimate=true). "
              f"{comparisons.note()}"]))
     return tables
 

@@ -8,7 +8,7 @@
 #   translation_ladder  every norm on the learning-rate ladder at a length where LN's BLEU is
 #               off the floor and below saturation, and at the release's rate
 #   micro_batch LN, BN, MABN, UN, BCN (with and without Weight Standardization, and micro-batch
-#               BCN, EstBN, with it), EvoNorm-B0/S0
+#               BCN, EstBN, with it; WS on qkv and fc1 as a control), EvoNorm-B0/S0
 #               on {Swin-T, T2T-ViT} with 2, 4 and 64 images per forward/backward
 #   sepnorm     SepNorm on T2T-ViT: an LN or BN class-token norm at every site or the final one
 #   detection   Mask R-CNN with LN, BN and UN on generated shapes
@@ -141,13 +141,20 @@ literature_runs() {  # the literature's other norms (issue 33)
   # without synced statistics would); 64 is the recipe (LN, BN, MABN, UN: the main runs)
   for seed in $PROBE_SEEDS; do for size in 2 4 64; do for model in swin_t t2t_vit_14; do
     micro=$([[ $size == 64 ]] || echo "recipe.cpu.micro_batch_size=$size")
-    for norm in ln bn mabn un bcn bcn_ws bcn_est_ws evonorm_b0 evonorm_s0; do
+    for norm in ln bn mabn un bcn bcn_wsres bcn_est_wsres evonorm_b0 evonorm_s0 bcn_ws bcn_est_ws; do
       case $norm in
         ln|bn|mabn|un) [[ $size != 64 ]] || continue; exp="+exp=${model}_$norm" ;;
-        bcn_ws) exp="+exp=$model norm=bcn ws=transformer" ;;
-        # the BCN paper's micro-batch setting: BN's part normalised by its running estimates
-        # in training too (EstBN, the README's BCNorm(..., estimate=True)), with WS
-        bcn_est_ws) exp="+exp=$model norm=bcn norm.estimate=true ws=transformer" ;;
+        # WS on the layers whose outputs the next norm reads (ws=residual), as the release
+        # pairs a standardised layer with the norm after it; and the BCN paper's micro-batch
+        # setting: BN's part normalised by its running estimates in training too (EstBN, the
+        # README's BCNorm(..., estimate=True)), with WS
+        bcn_wsres) exp="+exp=$model norm=bcn ws=residual" ;;
+        bcn_est_wsres) exp="+exp=$model norm=bcn norm.estimate=true ws=residual" ;;
+        # the control, seed 0: WS on the layers after the norms (ws=transformer: qkv, fc1),
+        # whose outputs grow by sqrt(fan-in) into the softmax and the activation
+        bcn_ws) [[ $seed == 0 ]] || continue; exp="+exp=$model norm=bcn ws=transformer" ;;
+        bcn_est_ws) [[ $seed == 0 ]] || continue
+          exp="+exp=$model norm=bcn norm.estimate=true ws=transformer" ;;
         *) exp="+exp=$model norm=$norm" ;;
       esac
       echo "micro_batch/${model}_$norm-mb$size-s$seed $exp${micro:+ $micro} seed=$seed"

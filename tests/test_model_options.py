@@ -110,17 +110,24 @@ def test_a_norm_composes_as_a_per_norm_file_would(model, norm):
     assert composed(f"+exp={model}", f"norm={norm}") == with_norm(composed(f"+exp={model}_bn"), model, norm)
 
 
-@pytest.mark.parametrize("exp, backend, targets", [
-    ("t2t_vit_14", None, ["blocks.*.attn.qkv", "blocks.*.mlp.fc1"]),
-    ("swin_t", None, ["layers.*.blocks.*.attn.qkv", "layers.*.blocks.*.mlp.fc1"]),
+@pytest.mark.parametrize("exp, backend, targets, residual", [
+    ("t2t_vit_14", None, ["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
+     ["blocks.*.attn.proj", "blocks.*.mlp.fc2"]),
+    ("swin_t", None, ["layers.*.blocks.*.attn.qkv", "layers.*.blocks.*.mlp.fc1"],
+     ["layers.*.blocks.*.attn.proj", "layers.*.blocks.*.mlp.fc2"]),
     ("faster_rcnn_swin_t", "torchvision", ["backbone.body.layers.*.blocks.*.attn.qkv",
-                                          "backbone.body.layers.*.blocks.*.mlp.fc1"]),
+                                          "backbone.body.layers.*.blocks.*.mlp.fc1"],
+     ["backbone.body.layers.*.blocks.*.attn.proj", "backbone.body.layers.*.blocks.*.mlp.fc2"]),
     ("mask_rcnn_swin_t", "mmdet", ["backbone.stages.*.blocks.*.attn.w_msa.qkv",
-                                   "backbone.stages.*.blocks.*.ffn.layers.0.0"])])
-def test_the_transformer_preset_names_each_blocks_qkv_and_fc1(exp, backend, targets):
+                                   "backbone.stages.*.blocks.*.ffn.layers.0.0"],
+     ["backbone.stages.*.blocks.*.attn.w_msa.proj", "backbone.stages.*.blocks.*.ffn.layers.1"])])
+def test_the_transformer_preset_names_each_blocks_qkv_and_fc1(exp, backend, targets, residual):
+    """ws=transformer: the layers reading each block's norms; ws=residual: the layers writing
+    its residual stream (attention output, fc2)."""
     more = [f"model.backend={backend}"] if backend else []
     assert config(f"+exp={exp}", *more).model.weight_standardization is None
     assert config(f"+exp={exp}", "ws=transformer", *more).model.weight_standardization == targets
+    assert config(f"+exp={exp}", "ws=residual", *more).model.weight_standardization == residual
     given = config(f"+exp={exp}_bn", "model.weight_standardization=[a.*,b]").model
     assert given.weight_standardization == ["a.*", "b"]
 
@@ -182,6 +189,13 @@ def test_torchvision_detectors_standardise_backbone_layers_and_convolutions():
             build_detector(cfg.model, cfg.norm, num_classes=3)
 
 
+@pytest.mark.parametrize("exp, blocks", [("t2t_vit_14", T2T_BLOCKS), ("swin_t", 8)])
+def test_the_residual_preset_standardises_each_blocks_output_layers(exp, blocks):
+    _, model = built(f"+exp={exp}", "norm=bn", "ws=residual")
+    names = standardized_names(model)
+    assert len(names) == 2 * blocks and all(n.endswith(("attn.proj", "mlp.fc2")) for n in names)
+
+
 def test_mmdet_detectors_standardise_the_ffn_layers_mmcv_wraps(tmp_path):
     """mmdet's FFN linear layers are mmcv's ``Linear``: made torch's own (the same layer on
     this torch), then standardised like the rest, through the runner."""
@@ -196,6 +210,11 @@ def test_mmdet_detectors_standardise_the_ffn_layers_mmcv_wraps(tmp_path):
     detector = runner.model
     names = standardized_names(detector)
     assert len(names) == 2 * 8 and "backbone.stages.0.blocks.0.ffn.layers.0.0" in names
+    residual = standardized_names(UnnormRunner.from_cfg(mmdet_config(
+        _settings_config(tmp_path, "norm=bn", "ws=residual", exp="mask_rcnn_swin_t"),
+        tmp_path / "residual", Distributed("cpu"))).model)
+    assert len(residual) == 2 * 8 and {"backbone.stages.3.blocks.1.attn.w_msa.proj",
+                                        "backbone.stages.3.blocks.1.ffn.layers.1"} <= set(residual)
     assert not any(type(m) is Linear for name, m in detector.named_modules() if name in names)
     fc1 = detector.get_submodule("backbone.stages.2.blocks.1.ffn.layers.0.0")
     x = torch.randn(3, fc1.in_features)

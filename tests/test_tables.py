@@ -173,7 +173,7 @@ def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp
     runs = tmp_path / "runs"
     values = {("ln", (), 64): [80.0, 82.0, 81.0], ("ln", (), 2): [79.0, 80.0, 82.0],
               ("bn", (), 64): [78.0, 79.0, 81.0], ("bn", (), 2): [40.0, 45.0],
-              ("bcn", (), 2): [75.0, 76.0, 78.0], ("bcn", ("ws=transformer",), 2): [70.0, 72.0, 71.5]}
+              ("bcn", (), 2): [75.0, 76.0, 78.0], ("bcn", ("ws=residual",), 2): [70.0, 72.0, 71.5]}
     for (norm, extra, size), tops in values.items():
         micro = [] if size == 64 else [f"recipe.cpu.micro_batch_size={size}"]
         for seed, top1 in enumerate(tops):
@@ -198,7 +198,7 @@ def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp
              (values[("bn", (), 64)], values[("ln", (), 64)]),
              (values[("bn", (), 2)], values[("bn", (), 64)]),
              (values[("bcn", (), 2)], values[("ln", (), 2)]),
-             (values[("bcn", ("ws=transformer",), 2)], values[("ln", (), 2)]),
+             (values[("bcn", ("ws=residual",), 2)], values[("ln", (), 2)]),
              (values[("ln", (), 2)], values[("ln", (), 64)])]
     ps = [stats.ttest_ind(a, b, equal_var=False).pvalue for a, b in tests]
     adjusted = holm(ps)
@@ -221,7 +221,7 @@ def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp
     settings = markdown.split("## CPU-scale settings: swin_t imagenet")[1].split("## ")[0]
     assert "BN norm.momentum=0.5 recipe.cpu.micro_batch_size=2" in settings
     assert "LN recipe.cpu.micro_batch_size=2" not in settings
-    assert "ws=transformer" not in settings
+    assert "ws=residual" not in settings
 
 
 def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
