@@ -210,11 +210,6 @@ def test_mmdet_detectors_standardise_the_ffn_layers_mmcv_wraps(tmp_path):
     detector = runner.model
     names = standardized_names(detector)
     assert len(names) == 2 * 8 and "backbone.stages.0.blocks.0.ffn.layers.0.0" in names
-    residual = standardized_names(UnnormRunner.from_cfg(mmdet_config(
-        _settings_config(tmp_path, "norm=bn", "ws=residual", exp="mask_rcnn_swin_t"),
-        tmp_path / "residual", Distributed("cpu"))).model)
-    assert len(residual) == 2 * 8 and {"backbone.stages.3.blocks.1.attn.w_msa.proj",
-                                        "backbone.stages.3.blocks.1.ffn.layers.1"} <= set(residual)
     assert not any(type(m) is Linear for name, m in detector.named_modules() if name in names)
     fc1 = detector.get_submodule("backbone.stages.2.blocks.1.ffn.layers.0.0")
     x = torch.randn(3, fc1.in_features)
@@ -222,6 +217,12 @@ def test_mmdet_detectors_standardise_the_ffn_layers_mmcv_wraps(tmp_path):
     fresh = copy.deepcopy(detector)
     with pytest.raises(ValueError, match="rpn_head.rpn_cls, rpn_head.rpn_reg, the model's classifier"):
         standardize_detector(fresh, {"weight_standardization": ["rpn_head.*"]})
+    # ws=residual: each backbone block's attention output and fc2, in mmdet's names
+    residual = standardized_names(UnnormRunner.from_cfg(mmdet_config(
+        _settings_config(tmp_path, "norm=bn", "ws=residual", exp="mask_rcnn_swin_t"),
+        tmp_path / "residual", Distributed("cpu"))).model)
+    assert len(residual) == 2 * 8 and {"backbone.stages.3.blocks.1.attn.w_msa.proj",
+                                        "backbone.stages.3.blocks.1.ffn.layers.1"} <= set(residual)
 
 
 # --- SepNorm ----------------------------------------------------------------------------------
