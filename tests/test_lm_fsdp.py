@@ -80,17 +80,17 @@ def _killed_after_epoch_1(run: Path, killed: Path) -> None:
     (killed / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text().splitlines()[0] + "\n")
 
 
-def _rank(rank, port, runs, one_process, out):
+def _rank(rank, ports, runs, one_process, out):
     """Rank ``rank`` of two (gloo, as under torchrun): trains ``runs`` in turn, then loads each
     of the ``one_process`` checkpoints into a model sharded over both ranks and evaluates it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     for number, (name, (overrides, run_dir)) in enumerate(runs.items()):
-        os.environ["MASTER_PORT"] = str(port + number)
+        os.environ["MASTER_PORT"] = str(ports[number])
         if name == "un-resumed" and rank == 0:  # rank 1 waits for rank 0 in the process group
             _killed_after_epoch_1(runs["un-fsdp"][1], run_dir)
         train(config(*overrides), run_dir)
-    os.environ["MASTER_PORT"] = str(port + len(runs))
+    os.environ["MASTER_PORT"] = str(ports[-1])
     world = Distributed("cpu")
     losses = {}
     for name, path in one_process.items():
@@ -165,7 +165,8 @@ def runs(corpus_root, tmp_path_factory):  # noqa: F811 (the fixture)
                  dirs["un-fsdp-1"])
     two = _two_rank_runs(corpus_root, out)
     one_process = {name: dirs[name] / "last.pt" for name in ("un-1", "un-fsdp-1")}
-    mp.start_processes(_rank, args=(free_port(), two, one_process, str(out)), nprocs=2,
+    ports = [free_port() for _ in range(len(two) + 1)]  # a rendezvous per run, then one to evaluate
+    mp.start_processes(_rank, args=(ports, two, one_process, str(out)), nprocs=2,
                        start_method="spawn")
     dirs.update({name: run_dir for name, (_, run_dir) in two.items()})
     return {"dir": dirs, "evaluated": [torch.load(out / f"evaluated{r}.pt") for r in range(2)]}

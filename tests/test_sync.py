@@ -6,7 +6,6 @@ statistics of layout "image") and
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import unnorm
+from test_vision import free_port
 
 # one worker runs the module: its fixtures (shared runs) are made once
 pytestmark = pytest.mark.xdist_group("sync")
@@ -78,17 +78,11 @@ def _replica(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory) -> list[dict]:
     """What each of two gloo replicas saw (one pair of processes for the whole module)."""
     out = tmp_path_factory.mktemp("replicas")
-    mp.start_processes(_replica, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_replica, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
 
 
@@ -194,7 +188,7 @@ def _compiled_replica(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def compiled_replicas(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compiled")
-    mp.start_processes(_compiled_replica, args=(_free_port(), str(out)), nprocs=2,
+    mp.start_processes(_compiled_replica, args=(free_port(), str(out)), nprocs=2,
                        start_method="spawn")
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -126,9 +127,20 @@ def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
 # --- several processes: two gloo replicas, every replica checked ---------------------------------
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel hands out (bind to
+    port 0) can be given again, between this probe and the rendezvous, to another test
+    process's outgoing connection (gloo opens many), which made the rendezvous fail with
+    EADDRINUSE under xdist."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; macOS's starts at 49152
+    first_ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 49152
+    for port in random.Random().sample(range(10_000, first_ephemeral), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{first_ephemeral - 1} after 200 tries")
 
 
 def named_norm_state(model) -> dict[str, torch.Tensor]:
