@@ -12,9 +12,9 @@ for biases unless ``normalize_bias`` (the release tells them by the name ``weigh
 are over S, plus 1e-16. The second forward and backward run at w + eps, the weights are put
 back, and the recipe's optimizer steps every parameter with the second pass's gradient.
 
-The release picks S by parameter name (``norm``/``bn``), which would take DyT's alpha and miss
-norms named otherwise; S here is chosen by module type: the affine of every unnorm norm and
-of torch's and timm's norm layers. Written here rather than taken from a package: the SAM
+The release picks S by parameter name (``norm``/``bn``), which misses norms named otherwise;
+S here is every parameter of the layers chosen by module type (unnorm's, torch's and timm's
+norms): the release's set where the layers are so named. Written here rather than taken from a package: the SAM
 family of ``pytorch-optimizer`` perturbs the parameters it steps, while SAM-ON perturbs a
 subset and steps them all, and the norms' running state must see the second pass as not a
 step (``unnorm.UpdateStart.second_pass``).
@@ -40,17 +40,15 @@ TRAIN_ONLY = ("all", "norm", "norm+head")
 
 
 def norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The affine parameters of every norm layer of ``model``, by name (module type decides:
-    unnorm's norms' ``affine_parameters``, the weight and bias of torch's and timm's)."""
+    """Every parameter of every norm layer of ``model``, by name: with the per-channel affine,
+    a norm's own others (DyT's and PRepBN's alpha, EvoNorm's ``v``, BCN's per-group affine),
+    as the release takes every parameter of a layer named ``norm`` or ``bn``."""
     chosen = {}
     for name, module in model.named_modules():
-        if isinstance(module, unnorm.ChannelNorm):
-            params = module.affine_parameters()
-        elif isinstance(module, TORCH_NORMS) or type(module).__name__ in TIMM_NORM_NAMES:
-            params = {key: p for key, p in module.named_parameters(recurse=False)}
-        else:
-            continue
-        chosen.update({f"{name}.{key}" if name else key: p for key, p in params.items()})
+        if isinstance(module, (unnorm.ChannelNorm, *TORCH_NORMS)) or \
+                type(module).__name__ in TIMM_NORM_NAMES:
+            chosen.update({f"{name}.{key}" if name else key: param
+                           for key, param in module.named_parameters(recurse=False)})
     return chosen
 
 

@@ -105,30 +105,41 @@ def release_update(model, x, rho, adaptive, eta=0.0, elementwise=True, normalize
     optimizer.step()
 
 
+@pytest.mark.parametrize("norm", ["ln", "dyt", "evonorm_s0", "bcn"])
 @pytest.mark.parametrize("adaptive, normalize_bias", [(False, False), (True, False), (True, True)])
-def test_sam_on_and_asam_on_are_the_releases_algorithm(adaptive, normalize_bias):
-    """LN norms (no running state, so the second pass is the release's exactly); the
-    perturbation touches the norms' affine only; the descent uses the perturbed gradient for
-    every parameter."""
+def test_sam_on_and_asam_on_are_the_releases_algorithm(adaptive, normalize_bias, norm):
+    """The perturbation touches the norm layers' parameters only, all of them (DyT's alpha,
+    EvoNorm's v, BCN's per-group affine too), and ASAM scales the ones named weight; the
+    descent uses the perturbed gradient for every parameter. Training outputs read no running
+    state (BCN's BN normalises by the batch's), so the second pass is the release's exactly."""
     torch.manual_seed(0)
-    ours = Block("ln")
+    ours = Block(norm)
+    with torch.no_grad():  # away from their initial values, which a perturbation keeps apart
+        for name, param in ours.named_parameters():
+            if name.startswith("norm1."):
+                param.add_(torch.randn_like(param) * 0.1)
     theirs = copy.deepcopy(ours)
     x = make_sequence(1, shape=SHAPE)[0][0]
     release_update(theirs, x, rho=0.5, adaptive=adaptive, normalize_bias=normalize_bias, eta=0.01)
     sam = SharpnessAware(ours, rho=0.5, adaptive=adaptive, only_norm=True, eta=0.01,
                          normalize_bias=normalize_bias)
-    assert set(sam.perturbed) == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"}
+    assert set(sam.perturbed) == {name for name, _ in ours.named_parameters() if "norm" in name}
     sam_update(ours, torch.optim.SGD(ours.parameters(), lr=0.1), sam, x)
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_the_perturbed_set_is_chosen_by_module_type():
+    """Every parameter of each norm layer, whatever the layer is named (the release's rule
+    needs 'norm' in the name)."""
     model = nn.Sequential(nn.Linear(C, C), unnorm.build_norm("dyt", C),
-                          unnorm.build_norm("prepbn", C, decay_iters=4), nn.GroupNorm(2, C))
+                          unnorm.build_norm("prepbn", C, decay_iters=4), nn.GroupNorm(2, C),
+                          unnorm.build_norm("evonorm_b0", C), unnorm.build_norm("bcn", C, groups=2))
     chosen = set(norm_parameters(model))
-    assert chosen == {"1.weight", "1.bias", "2.weight", "2.bias", "2.bn_weight", "2.bn_bias",
-                      "3.weight", "3.bias"}  # not DyT's alpha nor RepBN's alpha
+    assert chosen == {"1.weight", "1.bias", "1.alpha",
+                      "2.weight", "2.bias", "2.bn_weight", "2.bn_bias", "2.alpha",
+                      "3.weight", "3.bias", "4.weight", "4.bias", "4.v",
+                      "5.weight", "5.bias", "5.group_weight", "5.group_bias"}
 
 
 @pytest.mark.parametrize("name", list(STATEFUL))
@@ -260,20 +271,23 @@ def test_sam_on_two_replicas_averages_both_passes_and_keeps_them_identical(norm,
         torch.testing.assert_close(states[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_norm_only_training_freezes_everything_else_at_its_initialisation():
+@pytest.mark.parametrize("norm", ["bn", "evonorm_b0", "bcn"])
+def test_norm_only_training_freezes_everything_else_at_its_initialisation(norm):
+    """Every parameter of the norm layers trains (EvoNorm's v, BCN's per-group affine too)."""
     torch.manual_seed(0)
-    model = Block("bn")
+    model = Block(norm)
     start = copy.deepcopy(model.state_dict())
     count = freeze_except(model, "norm", head=None)
-    assert count == 4 * C
+    norms = {name for name, _ in model.named_parameters() if "norm" in name}
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == norms
+    assert count == sum(p.numel() for name, p in model.named_parameters() if name in norms)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for x in make_sequence(3, shape=SHAPE)[0]:
         optimizer.zero_grad()
         loss_of(model, x).backward()
         optimizer.step()
-    for key in ("inp.weight", "mid.bias", "head.weight"):
-        assert torch.equal(model.state_dict()[key], start[key]), key
-    assert not torch.equal(model.norm2.weight, start["norm2.weight"])
+    for key, value in model.named_parameters():
+        assert torch.equal(value, start[key]) == (key not in norms), key
     other = Block("bn")
     assert freeze_except(other, "norm+head", head=other.head) == 4 * C + C * 3 + 3
     with pytest.raises(ValueError, match="train_only must be one of all, norm, norm\\+head"):
