@@ -162,7 +162,7 @@ def test_a_sam_update_advances_the_norms_state_once(name):
         assert int(sharp.norm1.num_iters) == 1
 
 
-@pytest.mark.parametrize("name", ["un", "bn"])
+@pytest.mark.parametrize("name", ["un", "bn", "bcn", "evonorm_b0"])  # with v, the group affine
 def test_a_scaler_that_skips_a_sam_update_leaves_every_norm_as_it_was(name):
     torch.manual_seed(0)
     model = Block(name)
@@ -194,7 +194,7 @@ def test_compiled_sam_training_is_one_graph():
     assert counter.frame_count == 1 and int(model.norm1.num_iters) == 6
 
 
-@pytest.mark.parametrize("name", ["un", "bn"])
+@pytest.mark.parametrize("name", ["un", "bn", "bcn", "evonorm_b0"])
 def test_a_sam_update_on_a_bfloat16_model_keeps_float32_state_and_restores_w_exactly(name):
     """A module cast to bfloat16: eps is computed in float32 and w is put back bit for bit
     (subtracting eps again would round), and the norm's state is one plain step's."""
