@@ -14,10 +14,10 @@ back, and the recipe's optimizer steps every parameter with the second pass's gr
 
 The release picks S by parameter name (``norm``/``bn``), which misses norms named otherwise;
 S here is every parameter of the layers chosen by module type (unnorm's, torch's and timm's
-norms): the release's set where the layers are so named. Written here rather than taken from a package: the SAM
-family of ``pytorch-optimizer`` perturbs the parameters it steps, while SAM-ON perturbs a
-subset and steps them all, and the norms' running state must see the second pass as not a
-step (``unnorm.UpdateStart.second_pass``).
+norms): the release's set where the layers are so named. Written here rather than taken from
+a package: the SAM family of ``pytorch-optimizer`` perturbs the parameters it steps, while
+SAM-ON perturbs a subset and steps them all, and the norms' running state must see the second
+pass as not a step (``unnorm.UpdateStart.second_pass``).
 
 ``train_only`` (Frankle et al., ICLR 2021, "Training BatchNorm and Only BatchNorm"; release:
 facebookresearch/open_lth): every other parameter stays at its initialisation.
