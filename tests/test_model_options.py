@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
+from hydra_plugins.unnorm_experiments import open_norm_settings
 from plugins.model_options import standardized_layers
 from plugins.scale import effective_config
 from plugins.timm import model_from_config
@@ -60,54 +61,55 @@ def composed(*overrides: str) -> dict:
     return OmegaConf.to_container(config(*overrides), resolve=True)
 
 
-def with_norm(base: dict, model: str, norm: str) -> dict:
-    """``base`` (a composed ``+exp=<model> ...``) with the norm group ``norm``: that norm's
+def with_norm(base: dict, setting: str, norm: str) -> dict:
+    """``base`` (a composed ``+exp=<setting> ...``) with the norm group ``norm``: that norm's
     config, and the experiment named after it."""
     norm_config = OmegaConf.load(ROOT / "configs" / "norm" / f"{norm}.yaml")
     return {**copy.deepcopy(base), "norm": OmegaConf.to_container(norm_config),
-            "exp_name": f"{model}_{norm}"}
+            "exp_name": f"{setting}_{norm}"}
 
 
-def paper_files() -> dict[str, list[str]]:
-    """The norms of every per-norm experiment ``<model>_<norm>.yaml``, by model, for the
-    models with a composable experiment ``<model>.yaml``."""
-    norms = unnorm.available_norms()
-    return {base.stem: sorted(path.stem[len(base.stem) + 1:] for path in EXP.glob(f"{base.stem}_*.yaml")
-                              if path.stem[len(base.stem) + 1:] in norms)
-            for base in EXP.glob("*.yaml") if (EXP / f"{base.stem}_un.yaml").exists()}
+#: the experiment files that fix their norm: the setting each builds on, with which groups,
+#: and the values it changes there (the release's UN for translation; the ablations' base)
+SPECIAL_CASES = {
+    "iwslt14_un": ("iwslt14", ["norm=un"], {"norm.outlier_filtration": False,
+                                            "model.norm_pad_mask": False}),
+    "wmt14_un": ("wmt14", ["norm=un"], {"norm.outlier_filtration": False,
+                                        "model.norm_pad_mask": False}),
+    "mask_rcnn_swin_t_1x_un": ("mask_rcnn_swin_t", ["norm=un", "recipe=detection_1x"],
+                               {"exp_name": "mask_rcnn_swin_t_1x_un"}),
+}
 
 
-def test_every_paper_experiment_is_its_model_experiment_with_that_norm():
-    """``+exp=<model>_<norm>`` (the paper's files, unchanged) composes what ``+exp=<model>``
-    does with that norm group, but for the release's UN settings of translation; the norm
-    group swapped is what ``norm=<name>`` composes (the test after this)."""
-    files = paper_files()
-    assert sorted(files) == ["faster_rcnn_swin_t", "iwslt14", "mask_rcnn_swin_t", "swin_t",
-                             "swin_t_cifar10", "swin_t_cifar100", "t2t_vit_14", "t2t_vit_14_cifar10",
-                             "t2t_vit_14_cifar100", "wmt14"]
-    for model, norms in files.items():
-        assert len(norms) == 10, model
-        base = composed(f"+exp={model}")
-        for norm in norms:
-            paper = composed(f"+exp={model}_{norm}")
-            if model in ("iwslt14", "wmt14") and norm == "un":  # the release's UN for translation
-                assert paper["norm"].pop("outlier_filtration") is False
-                assert paper["model"].pop("norm_pad_mask") is False
-                want = with_norm(base, model, norm)
-                assert want["norm"].pop("outlier_filtration") and want["model"].pop("norm_pad_mask")
-                assert paper == want, f"{model}_{norm}"
-            else:
-                assert paper == with_norm(base, model, norm), f"{model}_{norm}"
+def test_the_experiment_files_are_one_per_setting_and_the_special_cases():
+    settings = ["faster_rcnn_swin_t", "iwslt14", "llama_130m", "llama_1b", "llama_71m",
+                "mask_rcnn_swin_t", "swin_t", "swin_t_cifar10", "swin_t_cifar100", "t2t_vit_14",
+                "t2t_vit_14_cifar10", "t2t_vit_14_cifar100", "wmt14"]
+    assert open_norm_settings() == settings
+    assert sorted(path.stem for path in EXP.glob("*.yaml")) == sorted([*settings, *SPECIAL_CASES])
 
 
-@pytest.mark.parametrize("model, norm", [("swin_t", "bcn"), ("t2t_vit_14", "evonorm_s0"),
-                                         ("mask_rcnn_swin_t", "evonorm_b0"), ("iwslt14", "bcn"),
-                                         ("faster_rcnn_swin_t", "evonorm_s0"), ("wmt14", "evonorm_b0"),
-                                         ("t2t_vit_14_cifar10", "un")])
-def test_a_norm_composes_as_a_per_norm_file_would(model, norm):
-    """``+exp=<model> norm=<name>`` is a paper file's config with the norm group swapped, for
-    the registry's newer norms (no file of their own) as for the paper's."""
-    assert composed(f"+exp={model}", f"norm={norm}") == with_norm(composed(f"+exp={model}_bn"), model, norm)
+@pytest.mark.parametrize("setting", open_norm_settings())
+def test_every_setting_composes_with_every_registry_norm_by_name(setting):
+    """``+exp=<setting>_<norm>`` and ``+exp=<setting> norm=<norm>`` are ``+exp=<setting>``
+    with that norm's config, named after it, for every registry norm."""
+    base = composed(f"+exp={setting}")
+    for norm in unnorm.available_norms():
+        name = f"{setting}_{norm}"
+        want = with_norm(base, setting, norm)
+        assert composed(f"+exp={setting}", f"norm={norm}") == want, name
+        if name not in SPECIAL_CASES:
+            assert composed(f"+exp={name}") == want, name
+
+
+@pytest.mark.parametrize("name", SPECIAL_CASES)
+def test_a_special_case_is_its_setting_with_what_it_changes(name):
+    setting, groups, changes = SPECIAL_CASES[name]
+    want = OmegaConf.create(composed(f"+exp={setting}", *groups))
+    for key, value in changes.items():
+        assert OmegaConf.select(want, key) != value, f"{name} changes nothing at {key}"
+        OmegaConf.update(want, key, value)
+    assert composed(f"+exp={name}") == OmegaConf.to_container(want)
 
 
 @pytest.mark.parametrize("exp, backend, targets, residual", [
@@ -203,7 +205,7 @@ def test_mmdet_detectors_standardise_the_ffn_layers_mmcv_wraps(tmp_path):
     from test_mmdet import _settings_config
 
     from plugins.mmdet.runner import UnnormRunner, mmdet_config, standardize_detector
-    from plugins.training import Distributed
+    from plugins.distributed import Distributed
 
     cfg = _settings_config(tmp_path, "norm=bn", "ws=transformer", exp="mask_rcnn_swin_t")
     runner = UnnormRunner.from_cfg(mmdet_config(cfg, tmp_path / "run", Distributed("cpu")))

@@ -1,0 +1,62 @@
+"""Every ``+exp=<setting>_<norm>`` name, composed instead of copied.
+
+``configs/exp`` keeps one file per setting (model, data, recipe: ``swin_t.yaml``,
+``llama_71m.yaml``, ...) and the few real special cases (``iwslt14_un.yaml``). For each setting
+file that leaves the norm open and each norm in ``configs/norm``, this Hydra plugin stores
+``exp/<setting>_<norm>`` in Hydra's ConfigStore: the setting's file with ``override /norm:
+<norm>``. So ``+exp=swin_t_un`` is ``+exp=swin_t norm=un``, for every registry norm and every
+setting, with no file to copy; a file of that name, where one exists, is used instead.
+
+Hydra finds it by itself (its plugins live in the ``hydra_plugins`` namespace package), so
+every composition sees the names: ``scripts/train.py``, the tests, ``hydra.compose``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+_registered: dict[Path, tuple] = {}  # the files each configs folder's names were stored from
+
+
+def open_norm_settings(configs: Path = CONFIGS) -> list[str]:
+    """The ``configs/exp`` files that leave the norm open (no ``override /norm``)."""
+    settings = []
+    for path in sorted((configs / "exp").glob("*.yaml")):
+        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+        if not any(isinstance(entry, dict) and "override /norm" in entry for entry in defaults):
+            settings.append(path.stem)
+    return settings
+
+
+def experiment_names(configs: Path = CONFIGS) -> dict[str, tuple[str, str]]:
+    """``{<setting>_<norm>: (setting, norm)}`` for the names without a file of their own."""
+    files = {path.stem for path in (configs / "exp").glob("*.yaml")}
+    norms = sorted(path.stem for path in (configs / "norm").glob("*.yaml"))
+    return {f"{setting}_{norm}": (setting, norm) for setting in open_norm_settings(configs)
+            for norm in norms if f"{setting}_{norm}" not in files}
+
+
+def register_experiments(configs: Path = CONFIGS) -> None:
+    """Store the names in Hydra's ConfigStore, anew when an experiment or norm file changed
+    (Hydra asks before every composition; storing them is most of its cost)."""
+    files = tuple((path.name, path.stat().st_mtime_ns) for kind in ("exp", "norm")
+                  for path in sorted((configs / kind).glob("*.yaml")))
+    if _registered.get(configs) == files:
+        return
+    store = ConfigStore.instance()
+    for name, (setting, norm) in experiment_names(configs).items():
+        store.store(group="exp", name=name, package="_global_",
+                    node={"defaults": [setting, {"override /norm": norm}, "_self_"]})
+    _registered[configs] = files
+
+
+class UnnormExperiments(SearchPathPlugin):
+    """Registers the composed experiment names before Hydra searches for configs."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        register_experiments()
