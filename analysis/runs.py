@@ -20,7 +20,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # literature's other norms, last)
 METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonorm", "BN": "bn",
                 "MABN": "mabn", "PN": "pn", "UN": "un", "DyT": "dyt", "PRepBN": "prepbn",
-                "BCN": "bcn", "EvoNorm-B0": "evonorm_b0", "EvoNorm-S0": "evonorm_s0"}
+                "BCN": "bcn", "EvoNorm-B0": "evonorm_b0", "EvoNorm-S0": "evonorm_s0",
+                "ScaleNorm": "scalenorm"}
 NORM_METHODS = {norm: method for method, norm in METHOD_NORMS.items()}
 STABILITY_KEY = "lr_multiple"  # the learning-rate ladder of the stability map
 #: each task's headline metric, and the metrics where lower is better

@@ -166,7 +166,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # the norms with running state
-STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn", "bcn", "evonorm_b0")
+STATEFUL = [name for name in unnorm.available_norms() if unnorm.has_running_state(name)]
 
 
 def check_precision(data: str) -> dict:

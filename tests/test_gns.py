@@ -22,9 +22,12 @@ from plugins.timm.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, C = 4, 3, 6
-#: every norm with learnable affine parameters, with options that put PRepBN mid hand-over
-#: (both its LayerNorm and its RepBN parameters receive gradient)
-AFFINE_NORMS = [name for name in unnorm.available_norms() if name != "nonorm"]
+#: every norm with learnable affine parameters (per channel, or ScaleNorm's one gain: the
+#: tap sums its share over the channels); a model of norms without any (NoNorm) is refused.
+#: Options that put PRepBN mid hand-over (both its LayerNorm and its RepBN parameters receive
+#: gradient)
+AFFINE_NORMS = [name for name in unnorm.available_norms()
+                if unnorm.build_norm(name, C).affine_parameters()]
 OPTIONS = {"prepbn": {"warmup_iters": 0, "decay_iters": 10}}
 
 
@@ -223,14 +226,19 @@ def test_bad_settings_fail_naming_the_fix():
         unnorm.record_gns(model, example_dim=0, loss_multiplier=0)
     with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'.*got 'none'"):
         unnorm.record_gns(model, example_dim=0, reduction="none")
-    with pytest.raises(ValueError, match="nonorm has none"):
-        unnorm.record_gns(torch.nn.Sequential(unnorm.build_norm("nonorm", C)), example_dim=0)
     with unnorm.record_gns(model, example_dim=0):
         with pytest.raises(RuntimeError, match="already being recorded"):
             unnorm.record_gns(model, example_dim=0)
         with pytest.raises(ValueError, match=r"example_dim=\.\.\.\) must name the batch axis"):
             model(torch.randn(C, dtype=torch.float64))  # one row: no axis holds examples
     assert all(m._gns is None for m in model.modules() if isinstance(m, unnorm.ChannelNorm))
+
+
+@pytest.mark.parametrize("norm", sorted(set(unnorm.available_norms()) - set(AFFINE_NORMS)))
+def test_a_model_of_norms_without_affine_parameters_is_refused(norm):
+    with pytest.raises(ValueError, match="no unnorm norm with trainable affine parameters.*"
+                                         "nonorm has none"):
+        unnorm.record_gns(torch.nn.Sequential(unnorm.build_norm(norm, C)), example_dim=0)
 
 
 def test_recording_is_off_by_default():

@@ -2,48 +2,23 @@
 references in ``spec_reference.py``."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import unnorm
 from spec_reference import RefMABN, RefMaskPN, RefPN, RefUN, group_scale
+from unnorm.registry import quick_options
 
 C = 6
 SHAPE = (3, 5, C)  # (B, N, C) tokens
 SPIKES = {27: 6.0, 41: 0.2, 52: 8.0}  # steps whose input is scaled: outliers for the filter
-# Options small enough that warm-up, full windows, compensation, outlier skips and PRepBN's
-# whole hand-over all happen within a test's few steps: the norms with running state, and
-# every registry norm
-STATEFUL = {
-    "un": {"warmup_iters": 4, "outlier_filtration": True, "compensation_start": 6},
-    "mabn": {"warmup_iters": 4, "window_size": 3, "compensation_start": 6},
-    "pn": {"warmup_iters": 4},
-    "pn_ls": {"warmup_iters": 4, "group_num": 2},
-    "bn": {},
-    "prepbn": {"warmup_iters": 3, "decay_iters": 6},
-    "bcn": {},
-    "evonorm_b0": {},
-}
-QUICK_OPTIONS = {**STATEFUL, "ln": {}, "rms": {}, "nonorm": {}, "dyt": {}, "evonorm_s0": {}}
-assert set(QUICK_OPTIONS) == set(unnorm.available_norms())
-#: the norms without a per-norm experiment file (+exp=<model>_<norm>): they run as
-#: +exp=<model> norm=<norm> where configs/exp/<model>.yaml exists (not the language models;
-#: tests/test_model_options.py trains T2T-ViT with bcn and evonorm_s0); the end-to-end tests
-#: here run the norms with a file (``with_experiments``)
-WITHOUT_EXPERIMENTS = {"bcn", "evonorm_b0", "evonorm_s0"}
-
-
-def with_experiments(model: str) -> list[str]:
-    """The registry's norms with an experiment ``configs/exp/<model>_<norm>.yaml``; every norm
-    without one must be in ``WITHOUT_EXPERIMENTS``, so none drops out of the end-to-end tests
-    unnoticed (``test_every_norm_without_experiments_is_named``)."""
-    exp = Path(__file__).resolve().parents[1] / "configs" / "exp"
-    return [name for name in unnorm.available_norms() if (exp / f"{model}_{name}.yaml").exists()]
-
-
+# Every registry norm with the options its registry entry gives for short runs (warm-up, full
+# windows, compensation, outlier skips and PRepBN's whole hand-over within a test's few
+# steps); the norms with running state among them
+QUICK_OPTIONS = {name: quick_options(name) for name in unnorm.available_norms()}
+STATEFUL = {name: options for name, options in QUICK_OPTIONS.items()
+            if unnorm.has_running_state(name)}
 def make_sequence(steps, seed=0, spikes=SPIKES, shape=SHAPE):
     gen = torch.Generator().manual_seed(seed)
     channel_scale = torch.linspace(0.5, 2.0, shape[-1])
@@ -56,10 +31,14 @@ def make_sequence(steps, seed=0, spikes=SPIKES, shape=SHAPE):
 
 
 def random_affine(norm, seed=1):
+    """The norm's learnable ``weight`` and ``bias``, whichever it has and in their own shapes
+    (ScaleNorm's one gain), set to random values."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        norm.weight.copy_(1 + 0.5 * torch.randn(norm.num_features, generator=gen))
-        norm.bias.copy_(0.1 * torch.randn(norm.num_features, generator=gen))
+        for name, centre, spread in (("weight", 1.0, 0.5), ("bias", 0.0, 0.1)):
+            param = getattr(norm, name)
+            if isinstance(param, torch.nn.Parameter):
+                param.copy_(centre + spread * torch.randn(param.shape, generator=gen))
     return norm
 
 
@@ -163,6 +142,32 @@ def test_bn_with_padding_equals_batchnorm1d_on_the_valid_positions():
         torch.testing.assert_close(dw, ref.weight.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(norm.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norm.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+
+
+# --- ScaleNorm against its closed form -------------------------------------------------------
+
+def test_scalenorm_is_one_gain_over_the_l2_norm_clamped_at_eps():
+    """Nguyen and Salazar's ScaleNorm as released (``x * g / norm(x).clamp(min=eps)``): the
+    output and the gradients of x and of the one gain g equal the float64 closed form's, a row
+    of norm below eps included, in training and in eval (no state)."""
+    norm = unnorm.build_norm("scalenorm", C, eps=1e-3)
+    assert norm.weight.shape == (1,) and norm.weight.item() == pytest.approx(C ** 0.5)
+    assert norm.bias is None and not dict(norm.named_buffers())
+    x, dy = make_sequence(1)[0][0], make_sequence(1)[1][0]
+    # the initial g = sqrt(C) makes it RMSNorm without eps or weight
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (C,), eps=0.0), rtol=1e-5, atol=1e-6)
+    x[0, 0], x[0, 1] = 1e-5, 0.0  # norms below eps: the clamp's linear branch
+    random_affine(norm)
+    y, dx, dg, _ = module_step(norm, x, dy)
+    x64 = x.double().requires_grad_(True)
+    g64 = norm.weight.detach().double().requires_grad_(True)
+    y64 = g64 * x64 / x64.square().sum(-1, keepdim=True).clamp_min(1e-3 ** 2).sqrt()
+    y64.backward(dy.double())
+    for got, want in ((y, y64), (dx, x64.grad), (dg, g64.grad)):
+        assert_close64(got, want.detach(), rtol=1e-5, atol=1e-6)
+    gain = abs(g64.item())
+    assert y[0, 0].norm() < 0.1 * gain and y[1, 0].norm().item() == pytest.approx(gain)
+    assert_close64(norm.eval()(x), y64.detach(), rtol=1e-5, atol=1e-6)
 
 
 # --- UN, MABN, PN against the spec's float64 references --------------------------------------
@@ -397,19 +402,16 @@ def _state_tensors(norm):
 
 @pytest.mark.parametrize("name", unnorm.available_norms())
 def test_padding_changes_no_statistic_and_no_valid_output(name):
-    options = {"warmup_iters": 3} if name in ("un", "mabn", "pn", "pn_ls") else {}
-    if name == "un":
-        options["outlier_filtration"] = True
-    if name in ("pn", "pn_ls"):  # exact masking; the release's padded backward is tested below
-        options["padded_in_backward"] = False
+    options = dict(QUICK_OPTIONS[name])
+    if "padded_in_backward" in unnorm.option_names(name):  # PN: exact masking; the release's
+        options["padded_in_backward"] = False  # padded backward is tested above
     xs, dys = make_sequence(10, spikes={})
     pad = torch.zeros(SHAPE[:-1], dtype=torch.bool)
     pad[0, 3:] = True
     pad[2, 1:] = True
     runs = []
     for pad_value in (0.0, 1e6, float("inf")):
-        norm = random_affine(unnorm.build_norm(name, C, **options)) if name != "nonorm" \
-            else unnorm.build_norm(name, C)
+        norm = random_affine(unnorm.build_norm(name, C, **options))
         outputs = []
         with unnorm.record_statistics(norm) as recorder:
             for x, dy in zip(xs, dys):
@@ -572,6 +574,28 @@ def test_swap_norms_carries_affine_and_ln_reproduces_the_model():
     torch.testing.assert_close(fresh.norm1.weight, block.norm1.weight)
 
 
+def test_swap_norms_to_scalenorm_starts_from_its_own_gain_and_trains():
+    """No per-channel affine to carry: each ScaleNorm starts at g = sqrt(C), whatever the
+    LayerNorm's affine was, and the block learns through it."""
+    torch.manual_seed(0)
+    block = _Block()
+    with torch.no_grad():
+        block.norm1.weight.uniform_(0.5, 2)
+    assert unnorm.swap_norms(block, "scalenorm") == 2
+    for module in (block.norm1, block.norm2):
+        assert isinstance(module, unnorm.ScaleNorm) and module.weight.tolist() == pytest.approx([8 ** 0.5])
+    x, target = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.05)
+    losses = []
+    for _ in range(20):
+        loss = (block(x) - target).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0] and block.norm1.weight.item() != pytest.approx(8 ** 0.5)
+
+
 @pytest.mark.parametrize("name", ["bn", "mabn", "pn", "un"])
 def test_folding_a_prenorm_block_is_exact(name):
     torch.manual_seed(0)
@@ -685,9 +709,3 @@ def test_recorder_gradient_statistic_is_mean_of_g_times_z(name):
         z = rows
     g = dy.reshape(-1, C).double()  # weight is one
     assert_close64(chunk["grad"][0], (g * z).mean(dim=0))
-
-
-@pytest.mark.parametrize("model", ["swin_t", "t2t_vit_14", "mask_rcnn_swin_t", "faster_rcnn_swin_t",
-                                   "iwslt14", "wmt14", "llama_71m"])
-def test_every_norm_without_experiments_is_named(model):
-    assert set(unnorm.available_norms()) - set(with_experiments(model)) <= WITHOUT_EXPERIMENTS

@@ -21,9 +21,10 @@ from .gns import GNSRecorder, record_gns
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
-from .registry import (available_norms, build_norm, is_foldable, is_offline, norm_layer,
-                       option_names)
+from .registry import (available_norms, build_norm, has_running_state, is_foldable, is_offline,
+                       norm_layer, option_names)
 from .sample import LAYOUTS
+from .scalenorm import ScaleNorm
 from .sepnorm import SeparateClassNorm, separate_class_norms
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
@@ -43,7 +44,8 @@ def reset_steps(model) -> int:
 
 
 __all__ = [
-    "available_norms", "build_norm", "is_offline", "is_foldable", "norm_layer", "option_names",
+    "available_norms", "build_norm", "is_offline", "is_foldable", "has_running_state", "norm_layer",
+    "option_names",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
     "replace_module", "ChannelsFirst", "record_statistics", "record_gns", "reset_steps",
@@ -51,6 +53,7 @@ __all__ = [
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
     "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "BatchChannelNorm", "EvoNormB0", "EvoNormS0",
+    "ScaleNorm",
     "SeparateClassNorm", "separate_class_norms", "LAYOUTS", "standardize_weights",
     "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "GradScaler", "LossScaleGuard", "UpdateStart",
     "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",

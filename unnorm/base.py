@@ -35,8 +35,8 @@ class ChannelNorm(nn.Module):
     #: the factor the loss was multiplied by in this update (a 0-dim float32 tensor shared by
     #: the model's norms), set by ``unnorm.LossScaleGuard``; None: gradients are unscaled
     loss_scale: Optional[torch.Tensor] = None
-    #: the learnable per-channel affine: the parameters whose per-example gradients give the
-    #: gradient noise scale (``unnorm.gns``)
+    #: the learnable affine, per channel or one value for every channel (ScaleNorm's gain): the
+    #: parameters whose per-example gradients give the gradient noise scale (``unnorm.gns``)
     affine_names: tuple[str, ...] = ("weight", "bias")
     #: the statistics and gradient-noise-scale taps while recording (unnorm.stats, unnorm.gns);
     #: class defaults, so a module pickled before either existed still runs
@@ -124,10 +124,12 @@ class ChannelNorm(nn.Module):
         multiplies dL/d(out) row by row into that parameter's gradient (None: 1, a bias)."""
         if self._gns is None or not self.training or not builds_graph(out):
             return out
-        tap, examples, scale, trained = self._gns, self._gns.current, self.loss_scale, {
-            name for name, param in self.affine_parameters().items() if param.requires_grad}
+        tap, examples, scale = self._gns, self._gns.current, self.loss_scale
+        shared = {name: param.numel() == 1 for name, param in self.affine_parameters().items()
+                  if param.requires_grad}  # trained; one value for every channel
         out.register_hook(lambda dy: tap.record(
-            dy, examples, [f for name, f in factors().items() if name in trained], scale))
+            dy, examples, [(f, shared[name]) for name, f in factors().items() if name in shared],
+            scale))
         return out
 
     def _watch_grad(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:

@@ -156,7 +156,7 @@ class _EstimatedNormFunction(torch.autograd.Function):
         r = torch.ones_like(inv_std) if plan.r is None else plan.r
         if ctx.gns is not None and first:  # per-row gradients: weight dy * z * r, bias dy
             factors = (x * (inv_std * r), None)
-            ctx.gns.record(dy, ctx.examples, [factor for factor, trained in
+            ctx.gns.record(dy, ctx.examples, [(factor, False) for factor, trained in
                                               zip(factors, ctx.needs_input_grad[1:3]) if trained],
                            plan.loss_scale)
         dy_x = dy * x

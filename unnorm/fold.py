@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .base import ChannelNorm
+from .registry import available_norms, is_offline
 from .swap import replace_module
 from .ws import StandardizedWeight
 
@@ -41,9 +42,10 @@ class ChannelAffine(nn.Module):
 
 def _check_foldable(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     if not getattr(norm, "offline", False) or not hasattr(norm, "inference_affine"):
+        offline = ", ".join(name for name in available_norms() if is_offline(name))
         raise ValueError(f"{type(norm).__name__} is an online norm (its inference depends on "
-                         "each input); only offline norms (bn, mabn, pn, un, prepbn) become an "
-                         "affine, and only those and dyt fold into a linear layer")
+                         f"each input); only offline norms ({offline}) become an affine, and "
+                         "only those and dyt fold into a linear layer")
     _check_eval(norm)
     return norm.inference_affine()
 

@@ -5,7 +5,8 @@ Gradient Noise Scale in Transformers") estimate B_simple = tr(Sigma) / |G|^2 (Mc
 al. 2018) from the norm layers' affine parameters alone. Their per-example gradients are cheap:
 with ``y = weight * z + bias`` applied row by row, example i's share of the batch gradient is
 ``c_i = (sum over i's rows of dy * z, sum over i's rows of dy)``, where dy is the gradient of
-the micro-batch's loss. With ``reduction="mean"`` (the default) that is the mean
+the micro-batch's loss (a weight of one value for every channel, ScaleNorm's gain, sums
+``dy * z`` over the channels too). With ``reduction="mean"`` (the default) that is the mean
 L = (1/B) sum_i l_i: as dy carries the 1/B, c_i = grad(l_i) / B, the per-example gradient is
 g_i = B c_i, and the batch gradient sum_i c_i = mean_i g_i. With ``reduction="sum"`` (fairseq's
 criteria backpropagate the sum over tokens, so over sentences, and divide the gradients by the
@@ -86,17 +87,21 @@ class GNSTap(PendingRecords):
         self.current = Examples(shape, self.example_dim, valid)
 
     def record(self, dy: torch.Tensor, examples: Examples,
-               factors: Sequence[Optional[torch.Tensor]],
+               factors: Sequence[tuple[Optional[torch.Tensor], bool]],
                loss_scale: Optional[torch.Tensor]) -> None:
         """Record one step from ``dy`` (dL/d(out), rows) and, per parameter, the factor that
-        multiplies dy row by row into its gradient (None: 1)."""
+        multiplies dy row by row into its gradient (None: 1) and whether the parameter is one
+        value for every channel (ScaleNorm's gain: its share sums over the channels)."""
         if not factors:
             return
         rows = upcast(dy.detach().reshape(-1, dy.shape[-1]))
         if examples.valid is not None:
             rows = zero_padding(rows, examples.valid)
-        shares = torch.cat([examples.sums(rows if factor is None else rows * factor)
-                            for factor in factors], dim=1)  # (B, P): c_i per parameter entry
+        shares = []
+        for factor, shared in factors:  # c_i of each entry: (B, C), or (B, 1) for a shared value
+            share = examples.sums(rows if factor is None else rows * factor)
+            shares.append(share.sum(dim=1, keepdim=True) if shared else share)
+        shares = torch.cat(shares, dim=1)  # (B, P): c_i per parameter entry
         unit = self.loss_multiplier if loss_scale is None else self.loss_multiplier * loss_scale
         shares = shares / unit  # of the mean or the sum of the examples' losses
         count = examples.count(rows.device)

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
 
+from .base import GuardedNorm
 from .bcn import BatchChannelNorm
 from .dyt import DynamicTanh
 from .evonorm import EvoNormB0, EvoNormS0
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
+from .scalenorm import ScaleNorm
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .unified import UnifiedNorm
 
@@ -22,22 +24,32 @@ class NormSpec:
     cls: type
     fixed: dict  # options the name implies (pn vs pn_ls)
     description: str
+    #: options under which every phase of the norm (warm-up, full windows, compensation,
+    #: outlier skips, a hand-over) comes within a few training steps: the test suite builds
+    #: each norm with them (``quick_options``); none where the defaults have no phase to wait for
+    quick: dict = field(default_factory=dict)
 
 
 _NORMS: dict[str, NormSpec] = {
     "ln": NormSpec(LayerNorm, {}, "LayerNorm"),
     "rms": NormSpec(RMSNorm, {}, "RMSNorm"),
     "bn": NormSpec(BatchNorm, {}, "BatchNorm over batch x tokens"),
-    "mabn": NormSpec(MovingAverageBatchNorm, {}, "moving-average BatchNorm"),
-    "pn": NormSpec(PowerNorm, {"layer_scale": False}, "PowerNorm without layer-scale"),
-    "pn_ls": NormSpec(PowerNorm, {"layer_scale": True}, "PowerNorm with layer-scale"),
+    "mabn": NormSpec(MovingAverageBatchNorm, {}, "moving-average BatchNorm",
+                     {"warmup_iters": 4, "window_size": 3, "compensation_start": 6}),
+    "pn": NormSpec(PowerNorm, {"layer_scale": False}, "PowerNorm without layer-scale",
+                   {"warmup_iters": 4}),
+    "pn_ls": NormSpec(PowerNorm, {"layer_scale": True}, "PowerNorm with layer-scale",
+                      {"warmup_iters": 4, "group_num": 2}),
     "nonorm": NormSpec(NoNorm, {}, "identity"),
-    "un": NormSpec(UnifiedNorm, {}, "Unified Normalization"),
+    "un": NormSpec(UnifiedNorm, {}, "Unified Normalization",
+                   {"warmup_iters": 4, "outlier_filtration": True, "compensation_start": 6}),
     "dyt": NormSpec(DynamicTanh, {}, "Dynamic Tanh, no statistics (affine foldable)"),
-    "prepbn": NormSpec(ProgressiveRepBN, {}, "LayerNorm handing over to RepBN (SLAB)"),
+    "prepbn": NormSpec(ProgressiveRepBN, {}, "LayerNorm handing over to RepBN (SLAB)",
+                       {"warmup_iters": 3, "decay_iters": 6}),
     "bcn": NormSpec(BatchChannelNorm, {}, "Batch-Channel Normalization: BN, then group norm"),
     "evonorm_b0": NormSpec(EvoNormB0, {}, "EvoNorm-B0: batch and instance std, fused activation"),
     "evonorm_s0": NormSpec(EvoNormS0, {}, "EvoNorm-S0: group std, fused sigmoid activation"),
+    "scalenorm": NormSpec(ScaleNorm, {}, "ScaleNorm: each position scaled to one learned L2 norm"),
 }
 
 # Arguments hosts pass to every norm; accepted whether or not the norm uses them.
@@ -65,6 +77,19 @@ def is_foldable(name: str, **options) -> bool:
     """True where folding has something to take into a linear layer: an offline norm's whole
     inference, or DyT's affine."""
     return is_offline(name, **options) or hasattr(_spec(name).cls, "fold_parts")
+
+
+def has_running_state(name: str) -> bool:
+    """True where training calls update state that evaluation reads and checkpoints carry
+    (running statistics, windows, step counters), guarded by the calling contract
+    (``docs/core.md``, "What a training call commits")."""
+    return issubclass(_spec(name).cls, GuardedNorm)
+
+
+def quick_options(name: str) -> dict:
+    """Options under which every phase of ``name`` comes within a few training steps (tests,
+    smoke runs); ``{}`` where its defaults have no phase to wait for."""
+    return dict(_spec(name).quick)
 
 
 def option_names(name: str) -> list[str]:

@@ -45,7 +45,8 @@ def swap_norms(model: nn.Module, name: str, *, include: Patterns = None,
     recognised refuses the whole call, naming it; nothing is swapped then.
 
     Carried over: the scale (Gemma's ``1 + w``), the bias (none: ``bias=False`` where ``name``
-    takes it) and, for ``ln``/``rms``, eps (``options`` win). Returns the number replaced.
+    takes it) and, for ``ln``/``rms``, eps (``options`` win); a norm without a per-channel
+    affine (``nonorm``, ``scalenorm``) keeps its own initialisation. Returns the number replaced.
     """
     norm_layer(name, **options)  # an unknown name or option fails here, norms or not
     chosen = _choose(_norm_like(model), include, exclude)
@@ -108,7 +109,7 @@ def _build(name: str, reading: HostNorm, options: dict, factory: dict) -> nn.Mod
         kwargs.setdefault("bias", False)
     new = build_norm(name, reading.channels, **kwargs)
     for param, source in (("weight", reading.scale), ("bias", reading.bias)):
-        target = getattr(new, param, None)
-        if source is not None and isinstance(target, nn.Parameter):
+        target = getattr(new, param, None)  # NoNorm's weight is a buffer, ScaleNorm's one gain
+        if source is not None and isinstance(target, nn.Parameter) and target.shape == source.shape:
             target.copy_(source)
     return ChannelsFirst(new) if reading.channels_first else new

@@ -29,9 +29,15 @@ from unnorm.sample import SampleStatistics
 
 from .convert import convert_checkpoint, timm_to_mmdet, unfold_order
 
-MMDET_NAMES = {"ln": "UnnormLN", "rms": "RMS", "bn": "UnnormBN", "mabn": "MABN", "pn": "PN",
-               "pn_ls": "PN_LS", "nonorm": "NoNorm", "un": "UN", "dyt": "DyT", "prepbn": "PRepBN",
-               "bcn": "BCN", "evonorm_b0": "EvoNormB0", "evonorm_s0": "EvoNormS0"}
+_NAMED = {"ln": "UnnormLN", "rms": "RMS", "bn": "UnnormBN", "mabn": "MABN", "pn": "PN",
+          "pn_ls": "PN_LS", "nonorm": "NoNorm", "un": "UN", "dyt": "DyT", "prepbn": "PRepBN",
+          "bcn": "BCN", "evonorm_b0": "EvoNormB0", "evonorm_s0": "EvoNormS0"}
+#: each registry norm's ``norm_cfg`` type: as named above, or its module's class name
+MMDET_NAMES = {name: _NAMED.get(name) or type(unnorm.build_norm(name, 8)).__name__
+               for name in unnorm.available_norms()}
+if len(set(MMDET_NAMES.values())) < len(MMDET_NAMES):
+    raise ValueError(f"two registry norms would share an mmdet type name ({MMDET_NAMES}): name "
+                     "them in plugins/mmdet/__init__.py's _NAMED")
 
 
 def _registered_norm(name: str) -> type:

@@ -1,0 +1,32 @@
+"""ScaleNorm (Nguyen and Salazar, "Transformers without Tears: Improving the Normalization of
+Self-Attention", IWSLT 2019), as tnq177/transformers_without_tears' ``layers.ScaleNorm``:
+``y = g * x / max(||x||_2, eps)`` per position, with one learned scalar ``g``."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .base import ChannelNorm, channel_mean_sq, upcast
+
+
+class ScaleNorm(ChannelNorm):
+    """Each position scaled to the L2 norm ``g``: one learned gain for every channel, no
+    per-channel affine, no centring, no running state (online). ``g`` starts at sqrt(C), as
+    released, so that at initialisation the output has unit mean square (RMSNorm's, eps
+    aside). It is ``weight``, of shape (1,) (the release's is 0-d), because hosts read
+    ``norm.weight`` for its device and dtype. ``eps`` bounds the norm from below, the
+    release's ``clamp``; it is not added under the square root."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__(num_features, eps=eps, bias=False, device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.full((1,), math.sqrt(num_features), device=device,
+                                              dtype=dtype))
+
+    def _normalize(self, rows, valid):
+        if self._recording:
+            self._tap.record_act(channel_mean_sq(rows, valid))
+        rows = upcast(rows)
+        norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True).clamp_min(self.eps)
+        return self._affine(rows / norm, valid)
