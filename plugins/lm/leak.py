@@ -31,8 +31,15 @@ def future_leak(model: nn.Module, inputs: torch.Tensor) -> dict:
 
 
 def training_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` in training mode, whose norms may commit running state freely."""
-    return copy.deepcopy(model).train()
+    """A copy of ``model`` in training mode, whose norms may commit running state freely and
+    compute alone: their batch statistics are not summed over data-parallel replicas
+    (``sync_stats`` off), so a probe on the copy is what one process computes on its inputs,
+    on every replica, and runs no collective."""
+    trained = copy.deepcopy(model).train()
+    for module in trained.modules():
+        if getattr(module, "sync_stats", False):
+            module.sync_stats = False
+    return trained
 
 
 def _training_logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
