@@ -1,4 +1,10 @@
-"""Loading checkpoints without running their pickle.
+"""Checkpoints, all in one place: written atomically (``save_atomic``), loaded without
+running their pickle (``load_checkpoint``, ``read_checkpoint``), and what a run saves every
+epoch and resumes from (``Checkpointer``; ``ShardedCheckpointer`` for a sharded model, its
+model and optimizer in a ``torch.distributed.checkpoint`` directory), the replicas' RNG
+states included. It imports nothing from ``plugins`` (torch, numpy and the standard library;
+``plugins.distributed``, the layer below, for type hints only): every layer above may use it,
+fairseq's environment included.
 
 Every checkpoint, released weight file and statistics file the project reads goes through
 ``load_checkpoint``: ``torch.load(weights_only=True)``, which rebuilds tensors and plain
@@ -9,14 +15,22 @@ turns torch's safe default off for the process.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import random
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:  # the process group's facts: the one layer below (plugins.distributed)
+    from plugins.distributed import Distributed
 
 
 def _numpy_globals() -> list:
@@ -103,3 +117,232 @@ def _load(path, trusted: bool, opt_in: str, map_location, extra_globals: Iterabl
             f"unpickling can run any code the file carries. If you made this file or trust its "
             f"source, load it with {opt_in}; otherwise re-save its tensors (a state dict) and "
             "load that.") from error
+
+
+def save_atomic(obj: Any, path: Path, keep_previous: Optional[Path] = None) -> None:
+    """``torch.save`` through a temporary file so a kill never leaves a torn checkpoint;
+    ``keep_previous`` keeps the file being replaced under that name (a hard link: no copy)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    if keep_previous is not None and path.exists():
+        linked = keep_previous.with_suffix(".tmp")
+        linked.unlink(missing_ok=True)
+        os.link(path, linked)
+        os.replace(linked, keep_previous)
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None,
+                    trusted: bool = False, unshard: bool = True) -> dict:
+    """One of our checkpoints, loaded without running its pickle (``trusted``: with), or an
+    error naming ``option`` and the fix; a sharded one with its whole model (``unshard``,
+    ``load_checkpoint``)."""
+    try:
+        state = load_checkpoint(path, trusted=trusted, opt_in="trust_checkpoint=true",
+                                unshard=unshard)
+    except UnsafeCheckpoint as error:
+        raise UnsafeCheckpoint(f"{option}: {error}") from error
+    except Exception as error:  # torch raises several kinds for damaged or foreign files
+        fix = (f"the previous epoch's checkpoint is kept as {fallback}: move it to {path} to "
+               "resume from the epoch before" if fallback is not None and fallback.exists()
+               else f"pass {option}= the last.pt of one of our runs (runs/<exp>/<time>/last.pt)")
+        raise ValueError(f"{option}: {path} is not a readable checkpoint ({type(error).__name__}: "
+                         f"{error}); {fix}") from error
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{option}: {path} is not a checkpoint written by scripts/train.py (no "
+                         "'model' entry); pass the last.pt of one of our runs")
+    return state
+
+
+# The RNG states a checkpoint keeps, one per replica, so a resumed run draws the same
+# augmentations.
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(states: list[dict], rank: int) -> None:
+    """Restore this replica's RNG state from ``gather_rng``'s list (rank 0's if it had fewer)."""
+    state = states[rank] if rank < len(states) else states[0]
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def gather_rng(world: Distributed) -> list:
+    """Every replica's RNG state, so a resumed run draws the same augmentations."""
+    return world.gather(rng_state())
+
+
+class Checkpointer:
+    """What a run saves every epoch and resumes from: its stateful parts by name (model,
+    optimizer, scheduler, ...; None where a run has no such part), plus every replica's RNG
+    state and whatever the trainer adds (epoch, step, config). The previous epoch's
+    checkpoint is kept beside it (``previous.pt``), to fall back to if the last is damaged.
+    ``trusted`` lets a resume unpickle anything (``trust_checkpoint=true``)."""
+
+    def __init__(self, path: Path, world: Distributed, trusted: bool = False, **parts):
+        self.path, self.world, self.trusted, self.parts = Path(path), world, trusted, parts
+
+    @property
+    def previous(self) -> Path:
+        return self.path.with_name("previous" + self.path.suffix)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def resume(self) -> Optional[dict]:
+        """Load the saved state into the parts; returns it (None when there is none)."""
+        if not self.path.exists():
+            return None
+        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted,
+                                unshard=False)
+        if state.get("sharded"):
+            raise ValueError(f"resume: {self.path} was saved by distributed=fsdp (a sharded "
+                             "checkpoint); resume it with distributed=fsdp, or start a new run "
+                             f"from its weights with init_from={self.path}")
+        for name, part in self.parts.items():
+            if part is not None:
+                part.load_state_dict(state[name])
+        set_rng_state(state["rng"], self.world.rank)
+        if self.world.main:
+            print(f"resuming {self.path.parent} at epoch {state['epoch'] + 1}, step {state['step']}")
+        return state
+
+    def save(self, **extra) -> None:
+        """Every replica calls this (the RNG states are gathered); rank 0 writes."""
+        rng = gather_rng(self.world)
+        if self.world.main:
+            parts = {name: None if part is None else part.state_dict()
+                     for name, part in self.parts.items()}
+            save_atomic({**parts, "rng": rng, **extra}, self.path, keep_previous=self.previous)
+
+
+# Sharded checkpoints (``distributed=fsdp``): ``last.pt`` keeps what it always did (schedule,
+# RNG states, epoch, records, config) and names a ``torch.distributed.checkpoint`` (DCP)
+# directory ``sharded/step_<step>/`` holding the model (its norm buffers included) and the
+# optimizer, each rank writing its shards. DCP reshards on load: a run resumes on another
+# number of ranks, and ``load_checkpoint`` reads the whole model into one process
+# (evaluation, folding, export, ``init_from``) without a process group.
+
+SHARDED_DIR = "sharded"  # beside last.pt: one DCP directory per kept checkpoint
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard``; ``plugins.fsdp.is_sharded``)."""
+    from torch.distributed.fsdp import FSDPModule  # not at the top: fairseq's torch has none
+
+    return isinstance(module, FSDPModule)
+
+
+def load_model(model: nn.Module, path: Path) -> None:
+    """Load a run's ``last.pt`` (either kind: one file, or a sharded checkpoint of any number
+    of ranks) into ``model``, sharded or not. Every rank calls this."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    state = read_checkpoint(Path(path), "load", unshard=False)
+    if not _is_sharded(model):
+        if state.get("sharded"):
+            state = read_checkpoint(Path(path), "load")
+        model.load_state_dict(state["model"])
+    elif state.get("sharded"):
+        _load_dcp(Path(path).parent / state["sharded"]["dir"], model)
+    else:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+
+
+def _load_dcp(directory: Path, model: nn.Module, optimizer=None) -> None:
+    """A DCP checkpoint's model (and optimizer) into a sharded ``model`` (resharding)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(model, state["model"])
+        return
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+class ShardedCheckpointer(Checkpointer):
+    """``Checkpointer`` for a sharded model: the model (norm buffers included) and the
+    optimizer go to a DCP directory ``sharded/step_<step>/`` that every rank writes its
+    shards into; ``last.pt`` (written by rank 0 once the directory is complete) keeps the
+    rest and names it under ``sharded``. ``previous.pt`` names the previous save's directory,
+    which is kept; older ones are deleted. A resume loads onto any number of ranks."""
+
+    SHARDED_PARTS = ("model", "optimizer")
+
+    def resume(self) -> Optional[dict]:
+        if not self.path.exists():
+            return None
+        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted,
+                                unshard=False)
+        if not state.get("sharded"):
+            raise ValueError(f"resume: {self.path} was saved by distributed=ddp (one file, "
+                             "unsharded optimizer state); resume it with distributed=ddp, or "
+                             f"start a new run from its weights with init_from={self.path}")
+        _load_dcp(self.path.parent / state["sharded"]["dir"], self.parts["model"],
+                  self.parts["optimizer"])
+        for name, part in self.parts.items():
+            if part is not None and name not in self.SHARDED_PARTS:
+                part.load_state_dict(state[name])
+        set_rng_state(state["rng"], self.world.rank)
+        saved_by = state["sharded"]["world_size"]
+        if self.world.main:
+            print(f"resuming {self.path.parent} at epoch {state['epoch'] + 1}, step {state['step']}"
+                  f" (saved by {saved_by} ranks, resumed by {self.world.world})")
+            if saved_by != self.world.world:
+                print(f"note: the norms' gradient statistics (UN's, PN's, MABN's windows and EMAs) "
+                      f"are in the units of the loss each of {saved_by} ranks backpropagated; on "
+                      f"{self.world.world} ranks they mix two units until the windows refill")
+        return state
+
+    def save(self, **extra) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        relative = f"{SHARDED_DIR}/step_{extra['step']:08d}"
+        directory = self.path.parent / relative
+        if self.world.main and directory.exists():  # a save that a kill interrupted
+            shutil.rmtree(directory)
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(self.parts["model"], self.parts["optimizer"])
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+        rng = gather_rng(self.world)  # after dcp.save: every rank's shards are written
+        if not self.world.main:
+            return
+        kept = {relative, self._named(self.path)}
+        parts = {name: None if part is None or name in self.SHARDED_PARTS else part.state_dict()
+                 for name, part in self.parts.items()}
+        sharded = {"dir": relative, "world_size": self.world.world,
+                   "format": "torch.distributed.checkpoint"}
+        save_atomic({**parts, "sharded": sharded, "rng": rng, **extra}, self.path,
+                    keep_previous=self.previous)
+        for old in (self.path.parent / SHARDED_DIR).iterdir():
+            if f"{SHARDED_DIR}/{old.name}" not in kept:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _named(self, path: Path) -> Optional[str]:
+        """The DCP directory the checkpoint at ``path`` names (None: none, or unreadable)."""
+        if not path.exists():
+            return None
+        try:
+            return (read_checkpoint(path, "save", trusted=self.trusted, unshard=False)
+                    .get("sharded") or {}).get("dir")
+        except (ValueError, OSError):
+            return None

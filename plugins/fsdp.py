@@ -1,7 +1,8 @@
 """Sharded data parallelism (PyTorch's FSDP2, ``fully_shard``) for the language model:
 ``distributed=fsdp`` (``configs/distributed``; DDP, ``distributed=ddp``, stays the default).
 
-What a trainer calls, all here (torchtitan's layout, for our norms):
+What the run skeleton (``plugins.training.train``) and the language model's trainer call
+(torchtitan's layout, for our norms):
 
 - ``shard(model, blocks, ...)``: rank 0's initial weights and norm state to every rank (as
   DDP does at construction), each block compiled (``compile=true``), each block and then the
@@ -11,15 +12,12 @@ What a trainer calls, all here (torchtitan's layout, for our norms):
   state is buffers, which FSDP2 neither shards nor casts: each rank keeps its own (per-replica
   statistics as under DDP, or ``norm.sync_stats``), in float32, and the shared loop makes the
   ranks' norm state one before every evaluation and save (``unnorm.distribute_norm_state``).
-- ``amp_for``: ``(autocast, scaler)`` as ``plugins.training.amp_context``; fp16 trains with
+- ``amp_for``: ``(autocast, scaler)`` as ``plugins.precision.amp_context``; fp16 trains with
   ``ShardedGradScaler`` (``unnorm.GradScaler``'s guarded norms, torch's sharded scaler: an
   overflow in any rank's shard skips the update on every rank).
-- ``ShardedCheckpointer``: ``last.pt`` keeps what it always did (schedule, RNG states,
-  epoch, records, config) and names a ``torch.distributed.checkpoint`` (DCP) directory
-  ``sharded/step_<step>/`` holding the model (its norm buffers included) and the optimizer,
-  each rank writing its shards. DCP reshards on load: a run resumes on another number of
-  ranks, and ``plugins.checkpoints.load_checkpoint`` reads the whole model into one process
-  (evaluation, folding, export, ``init_from``) without a process group.
+- its checkpoints are ``plugins.checkpoints``'s (``ShardedCheckpointer``, ``load_model``):
+  ``last.pt`` names a ``torch.distributed.checkpoint`` directory of the model and optimizer
+  shards, which reshards on load.
 - ``lockstep``: evaluation batches in equal numbers on every rank (each forward of a sharded
   model is a collective); ``unsharded_copy``: the whole model in one process's memory, for
   what must copy the model (the future-leak probe).
@@ -28,13 +26,14 @@ Gradient accumulation reduce-scatters each micro-batch's gradients into the floa
 (torchtitan's default: memory stays sharded; DDP instead reduces once, at the last).
 Refused by name: SAM (``sam=...``), compiled layers with activation checkpointing, and any
 task but language modelling.
+
+Imports only ``plugins.distributed`` and ``plugins.precision`` from ``plugins``: the run
+skeleton (``plugins.training``) builds on it, never the reverse.
 """
 from __future__ import annotations
 
-import shutil
 from contextlib import nullcontext
-from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,18 +43,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedScaler
 
 import unnorm
-from plugins.runlog import save_atomic
-from plugins.training import (
-    Checkpointer,
-    Distributed,
-    autocast_dtype,
-    gather_rng,
-    read_checkpoint,
-    set_rng_state,
-)
+from plugins.distributed import Distributed
+from plugins.precision import autocast_dtype
 
 STRATEGIES = ("ddp", "fsdp")
-SHARDED_DIR = "sharded"  # beside last.pt: one DCP directory per kept checkpoint
 
 
 def check_distributed(cfg: DictConfig, strategies: Iterable[str] = ("ddp",),
@@ -175,114 +166,3 @@ def unsharded_copy(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Modul
         copy = build()
     copy.load_state_dict(state)
     return copy.to(next(iter(state.values())).device).train(model.training)
-
-
-def load_model(model: nn.Module, path: Path) -> None:
-    """Load a run's ``last.pt`` (either kind: one file, or a sharded checkpoint of any number
-    of ranks) into ``model``, sharded or not. Every rank calls this."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-    )
-
-    state = read_checkpoint(Path(path), "load", unshard=False)
-    if not is_sharded(model):
-        if state.get("sharded"):
-            state = read_checkpoint(Path(path), "load")
-        model.load_state_dict(state["model"])
-    elif state.get("sharded"):
-        _load_dcp(Path(path).parent / state["sharded"]["dir"], model)
-    else:
-        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-
-
-def _load_dcp(directory: Path, model: nn.Module, optimizer=None) -> None:
-    """A DCP checkpoint's model (and optimizer) into a sharded ``model`` (resharding)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=directory)
-        set_model_state_dict(model, state["model"])
-        return
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-
-
-class ShardedCheckpointer(Checkpointer):
-    """``Checkpointer`` for a sharded model: the model (norm buffers included) and the
-    optimizer go to a DCP directory ``sharded/step_<step>/`` that every rank writes its
-    shards into; ``last.pt`` (written by rank 0 once the directory is complete) keeps the
-    rest and names it under ``sharded``. ``previous.pt`` names the previous save's directory,
-    which is kept; older ones are deleted. A resume loads onto any number of ranks."""
-
-    SHARDED_PARTS = ("model", "optimizer")
-
-    def resume(self) -> Optional[dict]:
-        if not self.path.exists():
-            return None
-        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted,
-                                unshard=False)
-        if not state.get("sharded"):
-            raise ValueError(f"resume: {self.path} was saved by distributed=ddp (one file, "
-                             "unsharded optimizer state); resume it with distributed=ddp, or "
-                             f"start a new run from its weights with init_from={self.path}")
-        _load_dcp(self.path.parent / state["sharded"]["dir"], self.parts["model"],
-                  self.parts["optimizer"])
-        for name, part in self.parts.items():
-            if part is not None and name not in self.SHARDED_PARTS:
-                part.load_state_dict(state[name])
-        set_rng_state(state["rng"], self.world.rank)
-        saved_by = state["sharded"]["world_size"]
-        if self.world.main:
-            print(f"resuming {self.path.parent} at epoch {state['epoch'] + 1}, step {state['step']}"
-                  f" (saved by {saved_by} ranks, resumed by {self.world.world})")
-            if saved_by != self.world.world:
-                print(f"note: the norms' gradient statistics (UN's, PN's, MABN's windows and EMAs) "
-                      f"are in the units of the loss each of {saved_by} ranks backpropagated; on "
-                      f"{self.world.world} ranks they mix two units until the windows refill")
-        return state
-
-    def save(self, **extra) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        relative = f"{SHARDED_DIR}/step_{extra['step']:08d}"
-        directory = self.path.parent / relative
-        if self.world.main and directory.exists():  # a save that a kill interrupted
-            shutil.rmtree(directory)
-        dist.barrier()
-        model_state, optimizer_state = get_state_dict(self.parts["model"], self.parts["optimizer"])
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
-        rng = gather_rng(self.world)  # after dcp.save: every rank's shards are written
-        if not self.world.main:
-            return
-        kept = {relative, self._named(self.path)}
-        parts = {name: None if part is None or name in self.SHARDED_PARTS else part.state_dict()
-                 for name, part in self.parts.items()}
-        sharded = {"dir": relative, "world_size": self.world.world,
-                   "format": "torch.distributed.checkpoint"}
-        save_atomic({**parts, "sharded": sharded, "rng": rng, **extra}, self.path,
-                    keep_previous=self.previous)
-        for old in (self.path.parent / SHARDED_DIR).iterdir():
-            if f"{SHARDED_DIR}/{old.name}" not in kept:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _named(self, path: Path) -> Optional[str]:
-        """The DCP directory the checkpoint at ``path`` names (None: none, or unreadable)."""
-        if not path.exists():
-            return None
-        try:
-            return (read_checkpoint(path, "save", trusted=self.trusted, unshard=False)
-                    .get("sharded") or {}).get("dir")
-        except (ValueError, OSError):
-            return None

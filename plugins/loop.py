@@ -3,16 +3,18 @@ language modelling): epochs of optimizer updates (with gradient accumulation), t
 watch, the replicas' norm state made one before each evaluation and save, metrics, statistics
 taps, checkpoints and resume, the result.
 
-A trainer builds its data, model, optimizer and schedule, then hands the loop what differs
-between tasks: how a batch becomes a loss (``forward``), what happens after an update (an
-EMA), how the model is scored (``evaluate``) and what the progress line adds (``summary``).
-fairseq and mmdetection train in their own loops and share the records
-(``plugins.runlog``).
+The run skeleton (``plugins.training.train``) builds a task's data, model, optimizer and
+schedule, then hands the loop what differs between tasks: how a batch becomes a loss
+(``forward``), what happens after an update (an EMA), how the model is scored (``evaluate``)
+and what the progress line adds (``summary``). ``EpochLoop.fit`` is the order of an epoch;
+one optimizer update is ``_update``, the end of an epoch ``_end_epoch``. fairseq and
+mmdetection train in their own loops and share the records (``plugins.runlog``).
 """
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -24,11 +26,12 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import unnorm
+from plugins.checkpoints import Checkpointer
+from plugins.distributed import Distributed
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
-                            metrics_row, record_collapse, rejected_steps, run_logger)
+                            metrics_row, record_collapse, rejected_steps, run_logger, save_gns,
+                            save_statistics)
 from plugins.sam import SharpnessAware, configured, trained_parameters
-from plugins.training import (Checkpointer, Distributed, backward, optimizer_step, save_gns,
-                              save_statistics)
 
 CHECKPOINT = "last.pt"
 
@@ -45,7 +48,8 @@ class EpochLoop:
     warm-ups at CPU scale last about an epoch, which a per-epoch schedule would make one jump.
     ``data`` is what the run records about its data (names, hashes): kept in every
     checkpoint, and a resume onto other data is refused. ``checkpointer``: how checkpoints
-    are written and resumed (``plugins.fsdp.ShardedCheckpointer`` for a sharded model)."""
+    are written and resumed (``plugins.checkpoints.ShardedCheckpointer`` for a sharded
+    model)."""
 
     def __init__(self, cfg: DictConfig, out_dir: Path, world: Distributed, run: RunDirectory,
                  model: nn.Module, optimizer, scheduler, scaler, *,
@@ -65,6 +69,8 @@ class EpochLoop:
                                        collapse=self.detector, scaler=scaler, **parts)
         self.start_epoch, self.step, self.metrics = 0, 0, {}
         self.sam = sharpness_aware(cfg, model, world)
+        self.taps: dict = {}  # fit's statistics and GNS taps, and its logger
+        self.logger = None
 
     def resume(self, init: str) -> str:
         """Load ``last.pt`` if the run has one, and make the run's records the ones it covers
@@ -96,117 +102,173 @@ class EpochLoop:
         ``after_update(step)`` runs after each optimizer update. Each update accumulates the
         gradients of ``accumulate`` micro-batches (the norms count micro-batches).
         """
-        cfg, world, device = self.cfg, self.world, self.world.device
+        cfg, world = self.cfg, self.world
         if self.sam is not None and accumulate > 1:
             raise ValueError(f"sam with gradient accumulation ({accumulate} micro-batches per "
                              "update) is not defined here: SAM's ascent needs the whole update's "
                              "gradient before its second pass. Use one micro-batch per update "
                              "(a smaller batch, or more memory), or sam=none")
-        loader_args = {"num_workers": cfg.scale.num_workers, "pin_memory": device.type == "cuda",
-                       "persistent_workers": cfg.scale.num_workers > 0, "collate_fn": collate_fn}
-        logger = run_logger(cfg, self.out_dir, enabled=world.main)
-        detector, step = self.detector, self.step
-        metrics: dict = self.metrics
-        taps: dict = {}
-        chunks: dict[str, list] = {}
+        meta = {**meta, "epochs": epochs, "init": init}
+        self.logger = run_logger(cfg, self.out_dir, enabled=world.main)
+        self.taps = {}
+        tally = _Epoch(steps_per_epoch)  # the last epoch's (a resume of a run past its epochs)
         try:
             if cfg.record_statistics:
-                taps["stats"] = unnorm.record_statistics(self.stats_module)
+                self.taps["stats"] = unnorm.record_statistics(self.stats_module)
             if cfg.record_gns:  # our trainers' norms see batch-first input: examples on axis 0
-                taps["gns"] = unnorm.record_gns(self.stats_module, example_dim=0,
-                                                loss_multiplier=1 / accumulate)
+                self.taps["gns"] = unnorm.record_gns(self.stats_module, example_dim=0,
+                                                     loss_multiplier=1 / accumulate)
             for epoch in range(self.start_epoch, epochs):
                 net.train()
-                if sampler is not None:
-                    sampler.set_epoch(epoch)
-                loader = torch.utils.data.DataLoader(
-                    train_set, batch_size=batch_size, sampler=sampler, shuffle=sampler is None,
-                    generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
-                    drop_last=True, **loader_args)
-                progress = tqdm(loader, total=steps_per_epoch * accumulate,
-                                disable=None if world.main else True,
-                                desc=f"epoch {epoch + 1}/{epochs}", leave=False)
-                started, lrs = time.time(), []
-                chunks: dict[str, list] = {name: [] for name in taps}
-                loss_sums: dict[str, torch.Tensor] = {}
+                progress = self._batches(train_set, batch_size, sampler, collate_fn, epoch, epochs,
+                                         steps_per_epoch * accumulate)
+                tally = _Epoch(steps_per_epoch, chunks={name: [] for name in self.taps})
                 for micro_batches in _updates(progress, steps_per_epoch, accumulate):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if self.sam is not None:
-                        self.sam.new_update()
-                    update_sums: dict[str, torch.Tensor] = {}
-                    for index, batch in enumerate(micro_batches):
-                        last = index == accumulate - 1  # DDP reduces the gradients once, at the last
-                        # (FSDP reduce-scatters each micro-batch's into its gradient shards)
-                        with net.no_sync() if not last and isinstance(net, DistributedDataParallel) \
-                                else nullcontext():
-                            losses = forward(batch)
-                            parts = dict(losses) if isinstance(losses, Mapping) else {}
-                            loss = _total(losses)
-                            backward(loss / accumulate, self.scaler)
-                        for name, value in {"loss": loss, **parts}.items():
-                            update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
-                    if self.sam is not None:  # the second pass, at the perturbed weights
-                        self.sam.perturbed_gradient(lambda: backward(
-                            _total(forward(micro_batches[0])), self.scaler))
-                    lrs.append(self.optimizer.param_groups[0]["lr"])  # a float: no device read
-                    optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
-                    step += 1
-                    self.scheduler.step_update(num_updates=step)
-                    if after_update is not None:
-                        after_update(step)
-                    for name, value in update_sums.items():
-                        loss_sums[name] = loss_sums.get(name, 0) + value
-                    detector.update(step, world.mean(update_sums["loss"]))
-                    if step % detector.check_every == 0:
-                        for name, tap in taps.items():
-                            chunks[name].append(tap.flush())
+                    tally.lrs.append(self.optimizer.param_groups[0]["lr"])  # a float: no device read
+                    tally.add(self._update(net, micro_batches, forward, after_update, clip_grad))
+                    if self.step % self.detector.check_every == 0:
+                        self._flush(tally)
                         if world.main:
-                            progress.set_postfix(loss=f"{detector.last_loss:.3f}",
+                            progress.set_postfix(loss=f"{self.detector.last_loss:.3f}",
                                                  lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
-                detector.check()
-                for module in self.replicas:  # one norm state: what is scored is what is saved
-                    unnorm.distribute_norm_state(module, cfg.norm_sync)
-                means = {name: world.mean(total).item() / steps_per_epoch
-                         for name, total in loss_sums.items()}
-                metrics = {"epoch": epoch + 1, "step": step,
-                           "lr": self.optimizer.param_groups[0]["lr"],
-                           **{f"train_{name}": value for name, value in means.items()},
-                           "epoch_time_s": time.time() - started, **evaluate(epoch)}
-                row = metrics_row(**metrics, lr_per_update=lrs)  # the rate each update used
-                logger.log(metrics, step=step)
-                for name, tap in taps.items():
-                    chunks[name].append(tap.flush())
-                if "stats" in taps:
-                    save_statistics(self.run, epoch, chunks["stats"])
-                if "gns" in taps:  # what one record's examples are within an update
-                    save_gns(self.run, epoch, chunks["gns"], {
-                        "batch_size": batch_size, "accumulate": accumulate, "replicas": world.world})
-                if world.main:
-                    print(f"epoch {epoch + 1}/{epochs} step {step} loss {metrics['train_loss']:.4f} "
-                          f"{summary(metrics)}".rstrip())
-                # the commit: the epoch's records count once its checkpoint (holding its
-                # row) is written; a resume drops or completes the rest (restore_epochs)
-                self.checkpoint.save(epoch=epoch, step=step, init=init, metrics=metrics, row=row,
-                                     data=self.data, config=OmegaConf.to_container(cfg))
-                self.run.append_row(row)
-            meta = {**meta, "epochs": epochs, "init": init, **self._trainable()}
-            meta.update(steps=step, **rejected_steps(self.model.state_dict()))
-            result = self.run.write_result(status="ok", metrics=metrics, meta=meta)
+                self._end_epoch(epoch, epochs, tally, evaluate, summary, init, {
+                    "batch_size": batch_size, "accumulate": accumulate, "replicas": world.world})
+            meta.update(**self._trainable(), steps=self.step,
+                        **rejected_steps(self.model.state_dict()))
+            result = self.run.write_result(status="ok", metrics=self.metrics, meta=meta)
         except TrainingCollapsed as collapse:
-            if "stats" in taps:  # the statistics up to the collapse: what explains it
-                save_statistics(self.run, epoch, [*chunks.get("stats", []), taps["stats"].flush()])
-            meta = {**meta, "epochs": epochs, "init": init, **rejected_steps(self.model.state_dict())}
-            result = record_collapse(self.run, collapse, metrics, meta)
+            if "stats" in self.taps:  # the statistics up to the collapse: what explains it
+                save_statistics(self.run, epoch, [*tally.chunks.get("stats", []),
+                                                  self.taps["stats"].flush()])
+            meta.update(**rejected_steps(self.model.state_dict()))
+            result = record_collapse(self.run, collapse, self.metrics, meta)
         finally:
-            for tap in taps.values():
+            for tap in self.taps.values():
                 tap.close()
-            logger.finish()
+            self.logger.finish()
         return result
 
+    def _batches(self, train_set, batch_size: int, sampler, collate_fn, epoch: int, epochs: int,
+                 total: int):
+        """The epoch's micro-batches (its own shuffle, seeded by the run's seed and the
+        epoch), behind the progress bar."""
+        cfg, device = self.cfg, self.world.device
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(
+            train_set, batch_size=batch_size, sampler=sampler, shuffle=sampler is None,
+            generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch), drop_last=True,
+            num_workers=cfg.scale.num_workers, pin_memory=device.type == "cuda",
+            persistent_workers=cfg.scale.num_workers > 0, collate_fn=collate_fn)
+        return tqdm(loader, total=total, disable=None if self.world.main else True,
+                    desc=f"epoch {epoch + 1}/{epochs}", leave=False)
+
+    def _update(self, net: nn.Module, micro_batches: list, forward: Callable[[object], Losses],
+                after_update: Optional[Callable[[int], None]], clip_grad: Optional[float]) -> dict:
+        """One optimizer update: the gradients of its micro-batches accumulated (the loss of
+        each divided by their number), SAM's second pass, clipping, the step, the schedule's
+        step and ``after_update``, then the collapse watch. Returns the update's losses (each
+        the mean over its micro-batches)."""
+        accumulate = len(micro_batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.sam is not None:
+            self.sam.new_update()
+        update_sums: dict[str, torch.Tensor] = {}
+        for index, batch in enumerate(micro_batches):
+            last = index == accumulate - 1  # DDP reduces the gradients once, at the last
+            # (FSDP reduce-scatters each micro-batch's into its gradient shards)
+            with net.no_sync() if not last and isinstance(net, DistributedDataParallel) \
+                    else nullcontext():
+                losses = forward(batch)
+                parts = dict(losses) if isinstance(losses, Mapping) else {}
+                loss = _total(losses)
+                backward(loss / accumulate, self.scaler)
+            for name, value in {"loss": loss, **parts}.items():
+                update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
+        if self.sam is not None:  # the second pass, at the perturbed weights
+            self.sam.perturbed_gradient(lambda: backward(
+                _total(forward(micro_batches[0])), self.scaler))
+        optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
+        self.step += 1
+        self.scheduler.step_update(num_updates=self.step)
+        if after_update is not None:
+            after_update(self.step)
+        self.detector.update(self.step, self.world.mean(update_sums["loss"]))
+        return update_sums
+
+    def _end_epoch(self, epoch: int, epochs: int, tally: _Epoch, evaluate: Callable[[int], dict],
+                   summary: Callable[[dict], str], init: str, gns_batch: dict) -> None:
+        """The end of an epoch: the collapse watch's last check, the replicas' norm state made
+        one, the metrics (training losses, ``evaluate``'s scores), the records (log,
+        statistics, GNS), then the checkpoint that commits the epoch and its row."""
+        cfg, world = self.cfg, self.world
+        self.detector.check()
+        for module in self.replicas:  # one norm state: what is scored is what is saved
+            unnorm.distribute_norm_state(module, cfg.norm_sync)
+        means = {name: world.mean(total).item() / tally.steps for name, total in tally.sums.items()}
+        self.metrics = {"epoch": epoch + 1, "step": self.step,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        **{f"train_{name}": value for name, value in means.items()},
+                        "epoch_time_s": time.time() - tally.started, **evaluate(epoch)}
+        row = metrics_row(**self.metrics, lr_per_update=tally.lrs)  # the rate each update used
+        self.logger.log(self.metrics, step=self.step)
+        self._flush(tally)
+        if "stats" in self.taps:
+            save_statistics(self.run, epoch, tally.chunks["stats"])
+        if "gns" in self.taps:  # what one record's examples are within an update
+            save_gns(self.run, epoch, tally.chunks["gns"], gns_batch)
+        if world.main:
+            print(f"epoch {epoch + 1}/{epochs} step {self.step} loss "
+                  f"{self.metrics['train_loss']:.4f} {summary(self.metrics)}".rstrip())
+        # the commit: the epoch's records count once its checkpoint (holding its row) is
+        # written; a resume drops or completes the rest (restore_epochs)
+        self.checkpoint.save(epoch=epoch, step=self.step, init=init, metrics=self.metrics, row=row,
+                             data=self.data, config=OmegaConf.to_container(cfg))
+        self.run.append_row(row)
+
+    def _flush(self, tally: _Epoch) -> None:
+        """The taps' records so far into the epoch's chunks."""
+        for name, tap in self.taps.items():
+            tally.chunks[name].append(tap.flush())
 
     def _trainable(self) -> dict:
         """What the run trains: its trainable parameter count, and SAM's perturbed set."""
         return trained_parameters(self.model, self.sam)
+
+
+@dataclass
+class _Epoch:
+    """What an epoch gathers as it trains: the rate of each update, its losses' sums over
+    ``steps`` updates, and the taps' chunks of records."""
+    steps: int
+    chunks: dict[str, list] = field(default_factory=dict)
+    lrs: list[float] = field(default_factory=list)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def add(self, losses: dict[str, torch.Tensor]) -> None:
+        for name, value in losses.items():
+            self.sums[name] = self.sums.get(name, 0) + value
+
+
+def backward(loss: torch.Tensor, scaler) -> None:
+    """The loss's backward, scaled under fp16 autocast."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters) -> None:
+    """Optional gradient-norm clipping (of the unscaled gradients), the step, and the
+    scaler's update."""
+    if scaler is not None:
+        if clip_grad:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        if clip_grad:
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        optimizer.step()
 
 
 def sharpness_aware(cfg: DictConfig, model: nn.Module, world: Distributed) -> Optional[SharpnessAware]:

@@ -3,7 +3,8 @@
 Each run owns a directory with the resolved ``config.yaml``, ``metrics.jsonl`` (one JSON
 object per logged step or epoch) and ``result.json`` (final metrics and status, ``ok`` or
 ``FAIL`` with the step and reason, or ``chance`` when the final headline metric is no better
-than what learning nothing gives, ``chance_rule``). Training paths of every framework share this format,
+than what learning nothing gives, ``chance_rule``), and per epoch ``stats/`` and ``gns/``
+(``save_statistics``, ``save_gns``). Training paths of every framework share this format,
 so ``scripts/make_tables.py`` reads them all alike.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+import unnorm
+from plugins.checkpoints import save_atomic
 from plugins.logger import make_logger
 from plugins.norms import norm_kwargs
 
@@ -318,18 +321,33 @@ def record_collapse(run: RunDirectory, collapse: TrainingCollapsed, metrics: dic
                             fail=collapse)
 
 
-def save_atomic(obj: Any, path: Path, keep_previous: Optional[Path] = None) -> None:
-    """``torch.save`` through a temporary file so a kill never leaves a torn checkpoint;
-    ``keep_previous`` keeps the file being replaced under that name (a hard link: no copy)."""
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    if keep_previous is not None and path.exists():
-        linked = keep_previous.with_suffix(".tmp")
-        linked.unlink(missing_ok=True)
-        os.link(path, linked)
-        os.replace(linked, keep_previous)
-    os.replace(tmp, path)
+def merge_records(chunks: list[dict], cat=torch.cat) -> dict:
+    """One epoch's flushed chunks of per-step records (``{layer: {key: (T, ...)}}``), each
+    key's steps joined by ``cat`` (GNS records: ``cat_padded``, per-example rows zero-padded
+    to the widest; statistics must agree in width)."""
+    merged: dict = {}
+    for chunk in chunks:
+        for layer, values in chunk.items():
+            for key, tensor in values.items():
+                merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
+    return {layer: {k: cat(v) for k, v in values.items()}
+            for layer, values in merged.items()}
+
+
+def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
+    """The epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
+    if run.writer:
+        (run.path / "stats").mkdir(exist_ok=True)
+        save_atomic(merge_records(chunks), run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")
+
+
+def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> None:
+    """The epoch's GNS chunks into ``gns/epoch_XXXX.pt``: ``{"layers": {layer: records},
+    **batch}``, ``batch`` saying how the examples of a step relate to an update's."""
+    if run.writer:
+        (run.path / "gns").mkdir(exist_ok=True)
+        save_atomic({"layers": merge_records(chunks, unnorm.gns.cat_padded), **batch},
+                    run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")
 
 
 def run_meta(cfg: DictConfig, task: str, world_size: int, run_dir: Path, **extra) -> dict:

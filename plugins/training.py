@@ -1,90 +1,39 @@
-"""Training plumbing every task's trainer shares: processes, seeds and RNG states, autocast,
-DDP, compiling without a silent fall-back, and initialising from one of our checkpoints."""
+"""The run skeleton every trainer of ours shares: ``train`` runs a ``Task`` (what a task
+supplies: its data, model, optimizer, schedule, forward and evaluation) in the one order of
+a run, and ``started`` opens a run (scale switch, process group, run folder). Around them:
+seeds, ``begin_run`` (the run folder's start or resume check), ``init_from`` weights
+(``load_weights``), and compiling without a silent fall-back to eager.
+
+Import direction (``tests/test_layout.py``): this module builds on ``plugins.loop``,
+``plugins.fsdp``, ``plugins.checkpoints``, ``plugins.precision`` and
+``plugins.distributed``, none of which imports it; the trainers (``plugins/timm``,
+``plugins/torchvision``, ``plugins/lm``) and mmdetection's runner build on it.
+"""
 from __future__ import annotations
 
-import inspect
-import os
 import random
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import unnorm
-from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
+from plugins.checkpoints import Checkpointer, ShardedCheckpointer, read_checkpoint
+from plugins.distributed import Distributed, data_parallel
+from plugins.fsdp import STRATEGIES, amp_for, check_distributed
+from plugins.loop import CHECKPOINT, EpochLoop, Losses
 from plugins.model_options import carry_standardization, standardized_in_run, standardized_layers
 from plugins.norms import fit_norm_to_run
-from plugins.runlog import RunDirectory, RunFolderInUse, run_folder_lock, save_atomic
+from plugins.precision import amp_context, check_amp
+from plugins.runlog import RunDirectory, RunFolderInUse, run_folder_lock
+from plugins.sam import freeze_except
 from plugins.scale import effective_config
-
-
-class Distributed:
-    """Process-group facts for one process (a single process when not under torchrun).
-    ``group``: join a process group also when alone (a group of one: FSDP shards over one)."""
-
-    def __init__(self, device_name: str, group: bool = False):
-        if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-            import submitit  # a SLURM job array task: export torchrun's variables from SLURM's
-            submitit.helpers.TorchDistributedEnvironment().export()
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device_name == "auto":
-            device_name = "cuda" if torch.cuda.is_available() else "cpu"
-        if device_name == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu")
-        self.device = torch.device(f"cuda:{local}" if device_name == "cuda" else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self._owns_group = (self.world > 1 or group) and not dist.is_initialized()
-        if self._owns_group:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.world > 1:
-                dist.init_process_group(backend)
-            else:  # no torchrun: a group of one needs no rendezvous
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor)
-            tensor /= self.world
-        return tensor
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def shard(self, dataset) -> torch.utils.data.Dataset:
-        """This replica's part of ``dataset`` for evaluation: every ``world``-th item, so the
-        shards cover it exactly once (no padding with repeated items)."""
-        if self.world == 1:
-            return dataset
-        return torch.utils.data.Subset(dataset, range(self.rank, len(dataset), self.world))
-
-    def gather(self, obj) -> list:
-        """Every replica's ``obj`` (picklable), in rank order."""
-        if self.world == 1:
-            return [obj]
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def close(self) -> None:
-        if (self.world > 1 or self._owns_group) and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:
@@ -93,121 +42,167 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+@dataclass(kw_only=True)
+class Plan:
+    """A task's data and how an epoch draws it (``Task.data``'s answer; a task adds its own
+    fields in a subclass). ``batch``: each replica's micro-batch, one forward;
+    ``steps_per_epoch``: optimizer updates an epoch, each of ``accumulate`` micro-batches;
+    ``norm_steps``: the run's micro-batches, the unit of the norms' step counts
+    (``fit_norm_to_run``); ``record``: what the run records about its data (a resume onto
+    other data is refused)."""
+    train_set: torch.utils.data.Dataset
+    val_set: torch.utils.data.Dataset
+    batch: int
+    sampler: Optional[torch.utils.data.Sampler]
+    steps_per_epoch: int
+    norm_steps: int
+    accumulate: int = 1
+    collate_fn: Optional[Callable] = None
+    record: Optional[dict] = None
 
 
-def set_rng_state(states: list[dict], rank: int) -> None:
-    """Restore this replica's RNG state from ``gather_rng``'s list (rank 0's if it had fewer)."""
-    state = states[rank] if rank < len(states) else states[0]
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+@dataclass
+class Steps:
+    """What the loop runs of a task (``Task.steps``'s answer): ``forward(batch)``, the loss
+    or a dict of losses that add up to it; ``evaluate(epoch)``, the epoch's scores;
+    ``summary(metrics)``, the progress line's part; ``meta``, the task's part of
+    ``result.json`` (``plugins.runlog.run_meta``)."""
+    forward: Callable[[object], Losses]
+    evaluate: Callable[[int], dict]
+    summary: Callable[[dict], str]
+    meta: dict
 
 
-def gather_rng(world: Distributed) -> list:
-    """Every replica's RNG state, so a resumed run draws the same augmentations."""
-    return world.gather(rng_state())
+@dataclass
+class Run:
+    """One run as ``train`` builds it, in its order: each of a task's functions reads what
+    was built before it is called."""
+    cfg: DictConfig
+    world: Distributed
+    out_dir: Path
+    data: Plan
+    sharded: bool
+    model: Optional[nn.Module] = None
+    init: str = "scratch"
+    ema: Optional[nn.Module] = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: object = None
+    epochs: int = 0
+    amp: Callable = nullcontext
+    scaler: object = None
+    loop: Optional[EpochLoop] = None
+    net: Optional[nn.Module] = None
 
 
-class Checkpointer:
-    """What a run saves every epoch and resumes from: its stateful parts by name (model,
-    optimizer, scheduler, ...; None where a run has no such part), plus every replica's RNG
-    state and whatever the trainer adds (epoch, step, config). The previous epoch's
-    checkpoint is kept beside it (``previous.pt``), to fall back to if the last is damaged.
-    ``trusted`` lets a resume unpickle anything (``trust_checkpoint=true``)."""
-
-    def __init__(self, path: Path, world: Distributed, trusted: bool = False, **parts):
-        self.path, self.world, self.trusted, self.parts = Path(path), world, trusted, parts
-
-    @property
-    def previous(self) -> Path:
-        return self.path.with_name("previous" + self.path.suffix)
-
-    def exists(self) -> bool:
-        return self.path.exists()
-
-    def resume(self) -> Optional[dict]:
-        """Load the saved state into the parts; returns it (None when there is none)."""
-        if not self.path.exists():
-            return None
-        state = read_checkpoint(self.path, "resume", fallback=self.previous, trusted=self.trusted,
-                                unshard=False)
-        if state.get("sharded"):
-            raise ValueError(f"resume: {self.path} was saved by distributed=fsdp (a sharded "
-                             "checkpoint); resume it with distributed=fsdp, or start a new run "
-                             f"from its weights with init_from={self.path}")
-        for name, part in self.parts.items():
-            if part is not None:
-                part.load_state_dict(state[name])
-        set_rng_state(state["rng"], self.world.rank)
-        if self.world.main:
-            print(f"resuming {self.path.parent} at epoch {state['epoch'] + 1}, step {state['step']}")
-        return state
-
-    def save(self, **extra) -> None:
-        """Every replica calls this (the RNG states are gathered); rank 0 writes."""
-        rng = gather_rng(self.world)
-        if self.world.main:
-            parts = {name: None if part is None else part.state_dict()
-                     for name, part in self.parts.items()}
-            save_atomic({**parts, "rng": rng, **extra}, self.path, keep_previous=self.previous)
+def _load_init(run: Run) -> str:
+    cfg = run.cfg
+    return load_weights(run.model, cfg.init_from, cfg.reset_norm_steps, trusted=cfg.trust_checkpoint)
 
 
-def read_checkpoint(path: Path, option: str, fallback: Optional[Path] = None,
-                    trusted: bool = False, unshard: bool = True) -> dict:
-    """One of our checkpoints, loaded without running its pickle (``trusted``: with), or an
-    error naming ``option`` and the fix; a sharded one with its whole model (``unshard``,
-    ``plugins.checkpoints.load_checkpoint``)."""
-    try:
-        state = load_checkpoint(path, trusted=trusted, opt_in="trust_checkpoint=true",
-                                unshard=unshard)
-    except UnsafeCheckpoint as error:
-        raise UnsafeCheckpoint(f"{option}: {error}") from error
-    except Exception as error:  # torch raises several kinds for damaged or foreign files
-        fix = (f"the previous epoch's checkpoint is kept as {fallback}: move it to {path} to "
-               "resume from the epoch before" if fallback is not None and fallback.exists()
-               else f"pass {option}= the last.pt of one of our runs (runs/<exp>/<time>/last.pt)")
-        raise ValueError(f"{option}: {path} is not a readable checkpoint ({type(error).__name__}: "
-                         f"{error}); {fix}") from error
-    if not isinstance(state, dict) or "model" not in state:
-        raise ValueError(f"{option}: {path} is not a checkpoint written by scripts/train.py (no "
-                         "'model' entry); pass the last.pt of one of our runs")
-    return state
+def _compile(run: Run) -> None:
+    run.model.compile()  # in place: state-dict keys stay as they are
 
 
-def backward(loss: torch.Tensor, scaler) -> None:
-    """The loss's backward, scaled under fp16 autocast."""
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+@dataclass(frozen=True)
+class Task:
+    """What a task supplies to ``train``: functions, each called once, in the run's order.
+
+    - ``data(cfg, world)``: its datasets and how an epoch draws them (a ``Plan``);
+    - ``model(run)``: the model; ``describe(run)``: the line the run starts with;
+      ``head(model)``: what ``train_only=norm+head`` trains besides the norms;
+    - ``optimizer(run)``; ``scheduler(run)``: ``(timm scheduler stepped per update,
+      epochs)``;
+    - ``steps(run)``: forward, evaluation, progress line and result entries (``Steps``).
+
+    Optional: ``init(run)``, ``init_from``'s weights (default: ``load_weights`` into the
+    whole model); ``ema(run)``, an average of the weights (timm's ``ModelEmaV3``, or None
+    when the recipe keeps none), updated after every update, checkpointed as ``model_ema``,
+    made one across the replicas and compiled as the model is; ``shard(run)``, FSDP2 (a task
+    without it trains with DDP only); ``compile(run)`` (default: the whole model);
+    ``tapped(model)``, what ``record_statistics`` and ``record_gns`` tap (default: the
+    model); ``activation_checkpointing(model)``, turns it on for
+    ``distributed.activation_checkpointing=true`` (a task without it refuses that option).
+    """
+    ranges: Mapping[str, str]
+    data: Callable[[DictConfig, Distributed], Plan]
+    model: Callable[[Run], nn.Module]
+    describe: Callable[[Run], str]
+    head: Callable[[nn.Module], nn.Module]
+    optimizer: Callable[[Run], torch.optim.Optimizer]
+    scheduler: Callable[[Run], tuple]
+    steps: Callable[[Run], Steps]
+    init: Callable[[Run], str] = _load_init
+    ema: Optional[Callable[[Run], Optional[nn.Module]]] = None
+    shard: Optional[Callable[[Run], None]] = None
+    compile: Callable[[Run], None] = _compile
+    tapped: Callable[[nn.Module], nn.Module] = lambda model: model
+    activation_checkpointing: Optional[Callable[[nn.Module], None]] = None
 
 
-def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters) -> None:
-    """Optional gradient-norm clipping (of the unscaled gradients), the step, and the
-    scaler's update."""
-    if scaler is not None:
-        if clip_grad:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        if clip_grad:
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
-        optimizer.step()
+def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
+    """One run of ``task``, in the order of every run of ours; returns its ``result.json``
+    content. ``overrides`` (the command line's) are recorded so tables can tell sweeps from
+    defaults."""
+    out_dir = Path(out_dir)
+    strategies = STRATEGIES if task.shard is not None else ("ddp",)
+    with started(cfg, out_dir, overrides, task.ranges, strategies,  # scale switch, processes,
+                 task.activation_checkpointing is not None) as (cfg, world, meta):  # run folder
+        require_init(cfg)
+        data = task.data(cfg, world)
+        cfg, folder, finished = begin_run(cfg, out_dir, world, data.norm_steps, CHECKPOINT)
+        if finished is not None:  # a resume, or a requeue, of a run that has ended
+            return finished
+        run = Run(cfg, world, out_dir, data, sharded=cfg.distributed.strategy == "fsdp")
+        run.model = task.model(run).to(world.device)
+        if cfg.init_from:
+            run.init = task.init(run)
+        if world.main:
+            print(task.describe(run))
+        freeze_except(run.model, cfg.train_only, head=task.head(run.model))  # train_only=norm|norm+head
+        run.ema = task.ema(run) if task.ema is not None else None
+        if cfg.distributed.activation_checkpointing:  # each layer recomputed in the backward
+            task.activation_checkpointing(run.model)
+        if run.sharded:  # before the optimizer, which must hold the shards
+            task.shard(run)
+        run.optimizer = task.optimizer(run)
+        run.scheduler, run.epochs = task.scheduler(run)
+        run.amp, run.scaler = (amp_for if run.sharded else amp_context)(cfg.amp, world.device,
+                                                                        run.model)
+        averaged = run.ema.module if run.ema is not None else None
+        run.loop = EpochLoop(
+            cfg, out_dir, world, folder, run.model, run.optimizer, run.scheduler, run.scaler,
+            replicas=[m for m in (run.model, averaged) if m is not None],
+            stats_module=task.tapped(run.model), data=data.record,
+            checkpointer=ShardedCheckpointer if run.sharded else Checkpointer,
+            **({"model_ema": averaged} if task.ema is not None else {}))
+        run.init = run.loop.resume(run.init)
+        if cfg.compile and not run.sharded:  # (shard compiles a sharded model's blocks)
+            task.compile(run)
+            if averaged is not None:
+                averaged.compile()
+        run.net = (data_parallel(run.model, world.device) if world.world > 1 and not run.sharded
+                   else run.model)
+        steps = task.steps(run)
+        return run.loop.fit(
+            run.net, data.train_set, data.batch, data.sampler, data.steps_per_epoch, run.epochs,
+            forward=steps.forward, evaluate=steps.evaluate, summary=steps.summary,
+            after_update=(lambda step: run.ema.update(run.model, step=step))
+            if run.ema is not None else None,
+            meta={**meta, **steps.meta}, init=run.init, collate_fn=data.collate_fn,
+            clip_grad=cfg.recipe.clip_grad, accumulate=data.accumulate)
 
 
-def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = (),
-             ranges: Mapping[str, str] = MappingProxyType({}),
-             strategies: Sequence[str] = ("ddp",), activation_checkpointing: bool = False) -> dict:
-    """Apply the scale switch (refusing an option outside its range: the task's ``ranges``
-    and every task's, ``check_ranges``), join the process group, and run ``train_fn(cfg,
-    out_dir, world, meta)``; ``overrides`` (the command line's) are recorded so tables can
-    tell sweeps from defaults. ``strategies``: the ``distributed.strategy`` values the task
-    trains with, ``activation_checkpointing``: whether it has that option
+@contextmanager
+def started(cfg, out_dir: Path, overrides: Sequence[str] = (),
+            ranges: Mapping[str, str] = MappingProxyType({}), strategies: Sequence[str] = ("ddp",),
+            activation_checkpointing: bool = False) -> Iterator[tuple[DictConfig, Distributed, dict]]:
+    """A run's start, held for the block: ``(cfg, world, meta)``. Applies the scale switch
+    (refusing an option outside its range: the task's ``ranges`` and every task's,
+    ``check_ranges``), joins the process group and holds the run folder; ``meta`` records
+    the data's name and ``overrides`` (the command line's, so tables can tell sweeps from
+    defaults). ``strategies``: the ``distributed.strategy`` values the task trains with,
+    ``activation_checkpointing``: whether it has that option
     (``plugins.fsdp.check_distributed``)."""
-    from plugins.fsdp import check_distributed
-
     meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
     cfg = effective_config(cfg, overrides, ranges)
     check_amp(cfg.amp)
@@ -216,7 +211,7 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = (),
     try:
         with hold_run_folder(Path(out_dir), world), (
                 no_eager_fallback() if cfg.compile else nullcontext()):
-            return train_fn(cfg, Path(out_dir), world, meta)
+            yield cfg, world, meta
     except torch._dynamo.exc.FailOnRecompileLimitHit as error:
         raise RuntimeError(
             "compile=true: dynamo reached its recompile limit and would have run the rest of the "
@@ -224,6 +219,16 @@ def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = (),
             "eager with compile=false") from error
     finally:
         world.close()
+
+
+def run_task(train_fn, cfg, out_dir: Path, overrides: Sequence[str] = (),
+             ranges: Mapping[str, str] = MappingProxyType({}),
+             strategies: Sequence[str] = ("ddp",), activation_checkpointing: bool = False) -> dict:
+    """``train_fn(cfg, out_dir, world, meta)`` within ``started``: a task that trains in its
+    own loop (mmdetection's runner)."""
+    with started(cfg, out_dir, overrides, ranges, strategies,
+                 activation_checkpointing) as (cfg, world, meta):
+        return train_fn(cfg, Path(out_dir), world, meta)
 
 
 @contextmanager
@@ -331,82 +336,3 @@ def load_weights(model: nn.Module, path: str, reset_steps: bool, *, ignore: Sequ
     if reset_steps:
         unnorm.reset_steps(model)
     return f"{path} (new: {new})" if new else path
-
-
-def check_amp(amp) -> None:
-    """Refuse an ``amp`` that is none of its choices (``true`` included: it once meant
-    autocast on GPUs only and float32 on a CPU without a word)."""
-    if not (amp is False or amp in ("auto", "bf16", "fp16")):
-        raise ValueError(f"amp={amp!r}: choose amp=auto (autocast on a GPU: bf16 where it has "
-                         "it, else fp16 with a loss scaler; float32 on a CPU), amp=bf16 or "
-                         "amp=fp16 (that autocast on any device, a CPU included), or amp=false")
-
-
-def autocast_dtype(amp, device: torch.device) -> Optional[torch.dtype]:
-    """What ``amp`` trains in on ``device`` (None: float32). ``auto``: bf16 on a GPU that
-    has it, else fp16; float32 on a CPU, where autocast is slower than float32. ``bf16`` or
-    ``fp16``: that, on any device (on a CPU: a rehearsal of the GPU's scale path). ``false``:
-    float32."""
-    check_amp(amp)
-    if amp is False or amp == "auto" and device.type != "cuda":
-        return None
-    if amp == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"amp=bf16: {torch.cuda.get_device_name(device)} has no bf16; "
-                         "use amp=fp16 (with a loss scaler) or amp=auto")
-    return torch.bfloat16 if amp == "bf16" else torch.float16
-
-
-def amp_context(amp, device: torch.device, model: nn.Module):
-    """``(autocast, scaler)`` for ``amp`` (``autocast_dtype``): fp16 trains with a grad
-    scaler, ``unnorm.GradScaler``, under which the norms of ``model`` keep their statistics
-    in unscaled units and an update it skips leaves them as they were."""
-    dtype = autocast_dtype(amp, device)
-    if dtype is None:
-        return nullcontext, None
-    scaler = unnorm.GradScaler(model, device.type) if dtype == torch.float16 else None
-    return (lambda: torch.autocast(device.type, dtype=dtype)), scaler
-
-
-def per_replica_buffers() -> dict:
-    """The DDP keyword that leaves the norms' buffers per replica (the paper's statistics;
-    ``sync_stats`` shares them, ``norm_sync`` makes them agree before evaluation and saves)."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": False}  # torch >= 2.15 name
-    return {"broadcast_buffers": False}
-
-
-def data_parallel(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """DDP that leaves norm buffers per replica."""
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **per_replica_buffers())
-
-
-def merge_records(chunks: list[dict], cat=torch.cat) -> dict:
-    """One epoch's flushed chunks of per-step records (``{layer: {key: (T, ...)}}``), each
-    key's steps joined by ``cat`` (GNS records: ``cat_padded``, per-example rows zero-padded
-    to the widest; statistics must agree in width)."""
-    merged: dict = {}
-    for chunk in chunks:
-        for layer, values in chunk.items():
-            for key, tensor in values.items():
-                merged.setdefault(layer, {}).setdefault(key, []).append(tensor)
-    return {layer: {k: cat(v) for k, v in values.items()}
-            for layer, values in merged.items()}
-
-
-def save_statistics(run: RunDirectory, epoch: int, chunks: list[dict]) -> None:
-    """The epoch's statistics chunks into ``stats/epoch_XXXX.pt``."""
-    if run.writer:
-        (run.path / "stats").mkdir(exist_ok=True)
-        save_atomic(merge_records(chunks), run.path / "stats" / f"epoch_{epoch + 1:04d}.pt")
-
-
-def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> None:
-    """The epoch's GNS chunks into ``gns/epoch_XXXX.pt``: ``{"layers": {layer: records},
-    **batch}``, ``batch`` saying how the examples of a step relate to an update's."""
-    if run.writer:
-        (run.path / "gns").mkdir(exist_ok=True)
-        save_atomic({"layers": merge_records(chunks, unnorm.gns.cat_padded), **batch},
-                    run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")

@@ -38,7 +38,7 @@ from benchmark import (  # scripts/: shared by the benchmarks
 from plugins.sam import SharpnessAware, freeze_except
 from plugins.scale import effective_config
 from plugins.timm.models import model_from_config
-from plugins.training import optimizer_step
+from plugins.loop import optimizer_step
 
 VARIANTS = ("base", "sam", "sam_on", "asam_on", "norm", "norm+head")
 

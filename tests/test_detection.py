@@ -16,14 +16,13 @@ from pycocotools.coco import COCO
 import plugins.torchvision.trainer as trainer
 import unnorm
 from plugins.checkpoints import load_checkpoint
+from plugins.distributed import Distributed
 from plugins.runlog import FINISHED
 from plugins.scale import effective_config
-from test_norms import with_experiments
 from plugins.torchvision.coco import CocoInstances, coco_evaluate, to_coco_results
 from plugins.torchvision.detectors import build_detector, detector_fold_plan, fold_detector
 from plugins.torchvision.shapes import CATEGORIES, ensure_shapes, render_image
 from plugins.torchvision.trainer import build_datasets, evaluate, train
-from plugins.training import Distributed
 from test_vision import ROOT, assert_states_equal, config, kill_and_resume, run_script, two_replicas
 
 QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2"]
@@ -148,7 +147,7 @@ def test_missing_coco_root_names_the_fix(tmp_path):
 
 # Every norm in Mask R-CNN (the backbone, the stage-output norms and every head Faster R-CNN
 # has, plus the mask head); Faster R-CNN's own configuration with an online and an offline norm.
-@pytest.mark.parametrize("norm,model", [*((norm, "mask_rcnn_swin_t") for norm in with_experiments("mask_rcnn_swin_t")),
+@pytest.mark.parametrize("norm,model", [*((norm, "mask_rcnn_swin_t") for norm in unnorm.available_norms()),
                                         ("ln", "faster_rcnn_swin_t"), ("un", "faster_rcnn_swin_t")])
 def test_every_norm_trains_the_detectors(model, norm, tmp_path, monkeypatch):
     """Two steps of every norm: every loss term of both stages finite and positive;
@@ -264,6 +263,41 @@ def test_ddp_replicas_score_and_save_one_norm_state(tmp_path, monkeypatch):
     assert want.keys() == got.keys() == set(val_set.coco.getImgIds())
     for image in want:
         np.testing.assert_allclose(got[image], want[image], rtol=0, atol=1e-5, err_msg=str(image))
+
+
+def test_evaluation_predicts_the_same_batches_on_any_number_of_replicas(monkeypatch):
+    """A batch is padded to its largest image (COCO's sizes vary), so evaluation predicts
+    fixed batches of consecutive images, each replica whole batches: on 1, 2 or 3 replicas the
+    detector sees the same batches, the last one short."""
+    class Images(list):
+        coco = None
+
+    class Recorder:  # a detector that names the images of each batch it is given
+        def eval(self):
+            return self
+
+        def __call__(self, images):
+            seen.append(tuple(int(image[0, 0, 0]) for image in images))
+            return [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long),
+                     "scores": torch.zeros(0)} for _ in images]
+
+    class Replica(Distributed):  # replica ``rank`` of ``world``, without a process group
+        def __init__(self, rank, world):
+            self.rank, self.world, self.device = rank, world, torch.device("cpu")
+
+        def gather(self, obj):
+            return [obj]
+
+    monkeypatch.setattr(trainer, "coco_evaluate", lambda coco, results, iou_types: {})
+    dataset = Images((torch.full((3, 24 + 8 * i, 40), float(i)), {"image_id": i}) for i in range(7))
+    batches = {}
+    for world in (1, 2, 3):
+        seen = []
+        for rank in range(world):
+            evaluate(Recorder(), dataset, 3, Replica(rank, world), contextlib.nullcontext, ("bbox",))
+        batches[world] = sorted(seen)
+    assert batches[1] == [(0, 1, 2), (3, 4, 5), (6,)]
+    assert batches[2] == batches[3] == batches[1]
 
 
 def test_norm_statistics_are_recorded_per_step(tmp_path):

@@ -28,7 +28,6 @@ from plugins.fairseq.flags import NOT_IN_FAIRSEQ, OPTIONS, norm_flags, read_trai
 from plugins.norms import norm_kwargs
 from plugins.runlog import FINISHED
 from plugins.scale import effective_config
-from test_norms import with_experiments
 from test_vision import script_env
 
 # one worker runs the module: its fixtures (shared runs) are made once
@@ -124,7 +123,7 @@ class _Env:
 
 def test_experiments_give_the_papers_fairseq_commands(tmp_path):
     for data in ("iwslt14", "wmt14"):
-        for norm in with_experiments(data):
+        for norm in unnorm.available_norms():
             cfg = config(f"+exp={data}_{norm}")
             assert cfg.task == "translation" and cfg.norm.name == norm and cfg.data.name == data
     cfg = config("+exp=iwslt14_un", "seed=3")
@@ -191,7 +190,7 @@ def test_settings_translation_cannot_honour_are_refused(overrides, error, fix, g
 def test_amp_trains_in_half_precision_on_cuda_only(gpus, tmp_path):
     """amp=auto (the default): fairseq's --fp16 on a GPU (its loss scaler, which
     plugins.fairseq.train keeps from the norms); on CPU nothing, as
-    plugins.training.amp_context. Training runs through plugins.fairseq.train."""
+    plugins.precision.amp_context. Training runs through plugins.fairseq.train."""
     def command(*overrides):
         cfg, device, _ = launcher.run_config(config("+exp=iwslt14_un", *overrides))
         return launcher.train_command(cfg, _Env(), tmp_path, tmp_path / "checkpoints", device)
@@ -365,9 +364,10 @@ def test_padding_is_excluded_from_every_norm(synthetic_data):
     assert summary["bn_without_masks"] > 1e-3  # the check would see leaking padding
 
 
-# norms with running state
-STATEFUL = ("un", "mabn", "pn", "pn_ls", "bn", "prepbn", "bcn", "evonorm_b0")
-UNCOUNTED = ("bn", "bcn", "evonorm_b0")  # running state without a step counter
+# norms with running state, and those among them without a step counter
+STATEFUL = [name for name in unnorm.available_norms() if unnorm.has_running_state(name)]
+UNCOUNTED = [name for name in STATEFUL
+             if not isinstance(unnorm.build_norm(name, 8), unnorm.StepCounted)]
 
 
 def test_half_precision_keeps_float32_statistics_and_follows_float32(synthetic_data):

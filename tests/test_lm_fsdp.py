@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 import unnorm
 from plugins import fsdp
-from plugins.checkpoints import load_checkpoint
+from plugins.checkpoints import load_checkpoint, load_model
+from plugins.distributed import Distributed
 from plugins.lm import trainer as lm_trainer
 from plugins.lm.data import prepare_corpus
 from plugins.lm.fold import fold_lm
@@ -27,8 +28,8 @@ from plugins.lm.model import build_lm
 from plugins.lm.trainer import RANGES, train, validation_loss
 from plugins.runlog import FINISHED
 from plugins.scale import effective_config, micro_batches_per_update
-from plugins.training import Distributed
 from test_lm import TINY_MODEL, TINY_RECIPE, corpus_root  # noqa: F401 (a fixture)
+from test_lm_split import assert_same_records
 from test_vision import ROOT, config, free_port
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # one worker trains the module's shared runs
@@ -96,7 +97,7 @@ def _rank(rank, ports, runs, one_process, out):
     for name, path in one_process.items():
         model, windows = _checkpoint_and_windows(path)
         fsdp.shard(model, model.model.layers, world, amp=False)
-        fsdp.load_model(model, path)
+        load_model(model, path)
         losses[name] = validation_loss(model.eval(), windows, EVAL_BATCH, world, torch.no_grad)
     world.close()
     torch.save(losses, Path(out) / f"evaluated{rank}.pt")
@@ -236,6 +237,26 @@ def build_lm_state(norm: str) -> dict:
     cfg = config(f"+exp=llama_71m_{norm}", *TINY_MODEL, *SYNCED[norm])
     torch.manual_seed(0)  # as the trainer seeds rank 0 (seed=0), whose weights every rank takes
     return build_lm(cfg.model, cfg.norm, vocab_size=300).state_dict()
+
+
+#: the longest float32 sum behind a record: an update's tokens (its loss, each weight's
+#: gradient), summed over micro-batches and ranks in another order than one process's
+UPDATE_TOKENS = 8 * 16  # TINY_RECIPE's recipe.batch_size x TINY_MODEL's model.context
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", list(SYNCED))
+def test_two_ranks_record_every_field_as_one_process_does(norm, runs):
+    """Every field of the records (each metrics.jsonl row, result.json) of FSDP and DDP on two
+    ranks is one process's with both ranks' micro-batches, within float32's summation bound
+    (tests/test_lm_split.py's ``assert_same_records``; the fields that name the split or time
+    it are left out by name): every rank probes the same fixed windows, the training-mode
+    probes (the future leak, ``val_loss_train_mode``) as one process computes them."""
+    for kind in ("ddp", "fsdp"):
+        compared = assert_same_records(runs["dir"][f"{norm}-1"], runs["dir"][f"{norm}-{kind}"],
+                                       terms=UPDATE_TOKENS)
+        assert {"max_attn_logit_per_layer", "metrics.future_logit_change"} <= set(compared)
+        assert ("metrics.val_loss_train_mode" in compared) == (norm != "ln"), kind
 
 
 @pytest.mark.slow

@@ -8,9 +8,9 @@ from omegaconf import OmegaConf
 from timm.scheduler import create_scheduler_v2
 
 import unnorm
+from plugins.distributed import Distributed
 from plugins.loop import EpochLoop
 from plugins.runlog import RunDirectory
-from plugins.training import Distributed
 
 C, SAMPLES = 6, 48
 

@@ -20,11 +20,11 @@ from torch import nn
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
+from plugins.distributed import Distributed
 from plugins.mmdet.runner import (SharpnessAwareStep, UnnormRunHook, UnnormRunner,
                                   guard_loss_scaler, mmdet_config, train)
 from plugins.runlog import FINISHED
 from plugins.sam import SharpnessAware, norm_parameters
-from plugins.training import Distributed
 from test_mmdet import _settings_config, detection
 from test_norms import STATEFUL, make_sequence
 from test_sam import sam_update

@@ -180,10 +180,13 @@ def test_torchvision_detectors_standardise_backbone_layers_and_convolutions():
     detector = build_detector(cfg.model, cfg.norm, num_classes=3)
     names = standardized_names(detector)
     assert len(names) == 8 + 4 and "backbone.body.layers.3.blocks.1.mlp.fc1" in names
-    conv = detector.get_submodule("backbone.fpn.layer_blocks.0.0")
-    x = torch.randn(2, conv.in_channels, 9, 9)
+    # in float64: an output sums 576 products of unit-scale standardised weights (|y| up to
+    # 100), which float32 rounds 2e-5 apart in two summation orders; float64's bound, 576 x
+    # 1.1e-16 x sum|x w| (~4e2), is 3e-11: 1e-7 holds it, and the "var" form is 0.25 away
+    conv = copy.deepcopy(detector.get_submodule("backbone.fpn.layer_blocks.0.0")).double()
+    x = torch.randn(2, conv.in_channels, 9, 9, dtype=torch.float64)
     torch.testing.assert_close(conv(x), F.conv2d(x, reference_ws(conv.weight, form="std"),
-                                                 conv.bias, padding=1), rtol=1e-5, atol=1e-5)
+                                                 conv.bias, padding=1), rtol=1e-7, atol=1e-7)
     for head in ("rpn.head.*", "roi_heads.box_predictor.cls_score", "backbone.body.patch_embed.*"):
         bad = [*overrides[:-1], f"model.weight_standardization=[{head}]"]
         cfg = effective_config(config(*bad), bad)

@@ -18,9 +18,9 @@ from timm.scheduler import create_scheduler_v2
 
 import unnorm
 from plugins.checkpoints import load_checkpoint
+from plugins.distributed import Distributed
 from plugins.loop import EpochLoop
 from plugins.runlog import FINISHED, LOCK_FILE, RunDirectory, RunFolderInUse
-from plugins.training import Distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 C, SAMPLES, UPDATES, EPOCHS = 6, 48, 3, 2

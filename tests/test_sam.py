@@ -228,7 +228,7 @@ def _sam_replica(rank, port, path, norm):
 
     import torch.distributed as dist
 
-    from plugins.training import data_parallel
+    from plugins.distributed import data_parallel
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)

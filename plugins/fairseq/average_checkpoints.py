@@ -9,12 +9,10 @@ checkpoints are read without running their pickle (``plugins.fairseq.checkpoints
     python -m plugins.fairseq.average_checkpoints --inputs DIR --num-epoch-checkpoints N --output OUT [--trusted]
 """
 import argparse
-import os
 import re
 from pathlib import Path
 
-import torch
-
+from plugins.checkpoints import save_atomic
 from plugins.fairseq.checkpoints import load
 
 
@@ -59,9 +57,7 @@ def main() -> None:
     parser.add_argument("--trusted", action="store_true", help="trust_checkpoint=true")
     args = parser.parse_args()
     paths = last_epoch_checkpoints(args.inputs, args.num_epoch_checkpoints)
-    tmp = args.output.with_suffix(".tmp")
-    torch.save(average(paths, args.trusted), tmp)
-    os.replace(tmp, args.output)
+    save_atomic(average(paths, args.trusted), args.output)
     print(f"averaged {', '.join(p.name for p in paths)} -> {args.output}")
 
 

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
-from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
+from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint, save_atomic
 
 # exit code -> the exception the launcher raises with the message
 REFUSALS = {3: UnsafeCheckpoint, 4: ValueError}
@@ -59,8 +57,6 @@ def prepare_init(source: str, target: str, option: str, trusted: bool, reset_nor
                  train_args: list[str]) -> None:
     """Write ``source``'s weights, loaded into the run's model, as ``target``; with
     ``reset_norm_steps`` the norms' step counters restart as ``unnorm.reset_steps`` does."""
-    import torch
-
     import unnorm
 
     state = load(source, option, trusted)
@@ -80,9 +76,7 @@ def prepare_init(source: str, target: str, option: str, trusted: bool, reset_nor
         unnorm.reset_steps(model)
     state["model"] = model.state_dict()
     state["last_optimizer_state"] = None  # fine-tuning resets the optimizer
-    tmp = Path(target).with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, target)
+    save_atomic(state, target)
 
 
 def main(argv: list[str]) -> None:

@@ -15,7 +15,7 @@ Settings of ``configs/train.yaml``, as translation takes them:
 * ``amp: true`` trains in half precision on CUDA with fairseq's ``--fp16`` (the model cast to
   float16, the norms' statistics kept in float32, fairseq's dynamic loss scaler, which the
   norms do not see: ``plugins.fairseq.train``); off CUDA it does nothing, as
-  ``plugins.training.amp_context``. fairseq 0.12.2 has no bfloat16 on GPUs (its ``--bf16``
+  ``plugins.precision.amp_context``. fairseq 0.12.2 has no bfloat16 on GPUs (its ``--bf16``
   implies ``--tpu``), so that flag is refused.
 * Step units: the norms count micro-batches (one forward/backward), as the releases do, so
   every count derived from the run's length is in updates x ``update_freq``. The recipe's
@@ -58,7 +58,7 @@ from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, 
                             TrainingCollapsed, record_collapse, rejected_steps,
                             run_folder_lock, run_logger, run_meta)
 from plugins.scale import command_line_values, effective_config, norm_steps_per_update
-from plugins.training import check_amp
+from plugins.precision import check_amp
 
 from .checkpoints import REFUSALS
 from .data import prepare
@@ -219,7 +219,7 @@ def run_length(cfg: DictConfig) -> int:
 
 def check_precision(cfg: DictConfig, device: str) -> None:
     """Refuse an ``amp`` fairseq cannot train in on ``device``: it has bf16 only on TPUs, and
-    fp16 only on CUDA (other values: as ``plugins.training.autocast_dtype`` says)."""
+    fp16 only on CUDA (other values: as ``plugins.precision.autocast_dtype`` says)."""
     check_amp(cfg.amp)
     if cfg.amp == "bf16":
         raise ValueError("amp=bf16: fairseq 0.12.2's --bf16 implies --tpu (torch_xla), which this "

@@ -15,7 +15,7 @@ GPU) runs ``main`` below, which points that name at ``GuardedTrainer`` first.
 With ``--record-gns RUN_DIR`` (the model's flag) the trainer also records the norms'
 per-example gradient norms (``unnorm.gns``; a sentence is an example, and fairseq's criteria
 backpropagate the sum of their losses) and writes each epoch's, as the other tasks' training
-loop does (``plugins.training.save_gns``), to ``RUN_DIR/gns/epoch_XXXX.pt`` (rank 0): at the
+loop does (``plugins.runlog.save_gns``), to ``RUN_DIR/gns/epoch_XXXX.pt`` (rank 0): at the
 start of the next epoch, and after training for the last one (also when it failed).
 
 Training through the norms (the model's flags, ``plugins.fairseq.flags``), as the other tasks'
@@ -56,9 +56,8 @@ from fairseq_cli import train as fairseq_train
 
 import unnorm
 from plugins.fairseq.flags import sam_entry, trained_line
-from plugins.runlog import RunDirectory
+from plugins.runlog import RunDirectory, save_gns
 from plugins.sam import configured, freeze_except, trained_parameters
-from plugins.training import save_gns
 
 FLUSH_EVERY = 100  # updates between moving the GNS records off the device
 

@@ -31,7 +31,7 @@ from transformers.initialization import no_init_weights
 
 import unnorm
 from plugins.runlog import CONFIG_FILE
-from plugins.training import read_checkpoint
+from plugins.checkpoints import read_checkpoint
 
 from .model import LM_OPTIONS, build_lm, lm_options
 

@@ -9,7 +9,7 @@ by our detector on every iteration's loss) ends the run with ``status: FAIL``.
 Conventions shared with the other trainers:
 
 - Several processes (``torchrun``): one distributed training on the process group of
-  ``plugins.training`` (gloo on CPU, nccl on GPU; mmengine's ``pytorch`` launcher), the
+  ``plugins.distributed`` (gloo on CPU, nccl on GPU; mmengine's ``pytorch`` launcher), the
   global batch split over the replicas, the norms' buffers per replica; after each training
   epoch, before the checkpoint is saved and the model evaluated, the norms' state is made
   identical across replicas (``norm_sync``), so the recorded AP is the one the checkpoint
@@ -19,7 +19,7 @@ Conventions shared with the other trainers:
   ``fit_norm_to_run`` gets.
 - ``device`` is honoured (mmengine alone would take any visible GPU); ``amp`` is bf16, or
   fp16 with a loss scaler the norms do not see (``unnorm.GradScaler``), on CUDA, as
-  ``plugins.training.amp_context`` decides, and autocast on a CPU is refused (mmengine's
+  ``plugins.precision.amp_context`` decides, and autocast on a CPU is refused (mmengine's
   is GPU-only); ``recipe.opt`` is timm's optimizer of that name, as in the torchvision
   backend; ``scale.max_steps_per_epoch`` caps the batches of an epoch; ``logger`` as
   everywhere (``plugins.logger``).
@@ -60,14 +60,15 @@ from omegaconf import DictConfig, OmegaConf
 from timm.optim import create_optimizer_v2
 
 import unnorm
-from plugins.checkpoints import load_checkpoint
+from plugins.checkpoints import load_checkpoint, read_checkpoint, save_atomic
+from plugins.distributed import Distributed, per_replica_buffers
 from plugins.model_options import as_patterns, standardize_layers, standardized_layers
 from plugins.norms import norm_kwargs
+from plugins.precision import autocast_dtype
 from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
-                            record_collapse, rejected_steps, run_logger, run_meta, save_atomic)
+                            record_collapse, rejected_steps, run_logger, run_meta)
 from plugins.sam import SharpnessAware, configured, freeze_except, trained_parameters
-from plugins.training import (Distributed, autocast_dtype, begin_run, per_replica_buffers,
-                              read_checkpoint, require_init, run_task)
+from plugins.training import begin_run, require_init, run_task
 
 from . import norm_cfg
 from .convert import convert_checkpoint
@@ -335,7 +336,7 @@ def paper_config(cfg: DictConfig) -> Config:
 
 
 def amp_optim_wrapper(amp, device: torch.device) -> dict:
-    """mmengine's optim wrapper for ``amp``, as ``plugins.training.autocast_dtype`` decides:
+    """mmengine's optim wrapper for ``amp``, as ``plugins.precision.autocast_dtype`` decides:
     bf16, or fp16 with a dynamic loss scale; plain fp32 for float32. mmengine's
     ``AmpOptimWrapper`` runs on GPUs only, so autocast on a CPU is refused."""
     dtype = autocast_dtype(amp, device)

@@ -1,4 +1,5 @@
-"""Image classification training with timm's optimizer, scheduler, augmentation, mixup and EMA.
+"""Image classification training with timm's optimizer, scheduler, augmentation, mixup and EMA:
+the task's parts (``TASK``) of the shared run skeleton, ``plugins.training.train``.
 
 Runs on one process or under ``torchrun`` (DDP; the replicas' norm state is made one before
 every evaluation and checkpoint, ``norm_sync``). Checkpoints every epoch to ``last.pt`` and
@@ -18,12 +19,12 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, accuracy
 from torch import nn
 
-from plugins.loop import CHECKPOINT, EpochLoop
+from plugins.distributed import Distributed
+from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
 from plugins.runlog import chance_rule, run_meta
-from plugins.sam import freeze_except
 from plugins.scale import micro_batches_per_update
-from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
-                              epoch_plan, load_weights, require_init, run_task)
+from plugins.training import Plan, Run, Steps, Task, epoch_plan, load_weights
+from plugins.training import train as train_task
 
 from .data import build_datasets
 from .models import classifier_prefix, model_from_config
@@ -72,48 +73,64 @@ def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict
 
     ``overrides`` (the command line's) are recorded so tables can tell sweeps from defaults.
     """
-    return run_task(_train, cfg, out_dir, overrides, RANGES)
+    return train_task(TASK, cfg, out_dir, overrides)
 
 
-def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
-    recipe, device = cfg.recipe, world.device
-    require_init(cfg)
+def _data(cfg: DictConfig, world: Distributed) -> Plan:
+    recipe = cfg.recipe
     train_set, val_set = build_datasets(cfg.data, recipe.aug, cfg.model.img_size)
     batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
                                                  cfg.scale.max_steps_per_epoch, world, cfg.seed)
     # micro-batch training: each replica's norms see recipe.micro_batch_size images per
     # forward/backward, and the update accumulates the recipe's batch
     accumulate = micro_batches_per_update(recipe, world.world) if recipe.micro_batch_size else 1
-    cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch * accumulate,
-                                   CHECKPOINT)
-    if finished is not None:
-        return finished
-    val_loader = torch.utils.data.DataLoader(
-        world.shard(val_set), batch_size=batch, num_workers=cfg.scale.num_workers,
-        pin_memory=device.type == "cuda", persistent_workers=cfg.scale.num_workers > 0)
+    return Plan(train_set=train_set, val_set=val_set, batch=batch // accumulate, sampler=sampler,
+                steps_per_epoch=steps_per_epoch, accumulate=accumulate,
+                norm_steps=recipe.epochs * steps_per_epoch * accumulate)
 
-    num_classes = cfg.data.num_classes
-    model = model_from_config(cfg).to(device)
-    init = "scratch"
-    if cfg.init_from:
-        init = load_weights(model, cfg.init_from, cfg.reset_norm_steps,
-                            resizable=[classifier_prefix(model)], trusted=cfg.trust_checkpoint)
-    if world.main:
-        print(f"{cfg.exp_name}: {cfg.model.timm_name} with {cfg.norm.name} on {cfg.data.name} "
-              f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
-    freeze_except(model, cfg.train_only, head=model.get_classifier())  # train_only=norm|norm+head
-    ema = ModelEmaV3(model, decay=recipe.model_ema.decay) if recipe.model_ema.enabled else None
 
+def _init(run: Run) -> str:
+    cfg = run.cfg
+    return load_weights(run.model, cfg.init_from, cfg.reset_norm_steps,
+                        resizable=[classifier_prefix(run.model)], trusted=cfg.trust_checkpoint)
+
+
+def _describe(run: Run) -> str:
+    cfg = run.cfg
+    return (f"{cfg.exp_name}: {cfg.model.timm_name} with {cfg.norm.name} on {cfg.data.name} "
+            f"(scale {cfg.scale.name}, init {run.init}, {run.world.world} process(es), {run.world.device})")
+
+
+def _ema(run: Run):
+    recipe = run.cfg.recipe
+    return ModelEmaV3(run.model, decay=recipe.model_ema.decay) if recipe.model_ema.enabled else None
+
+
+def _optimizer(run: Run):
+    cfg, recipe = run.cfg, run.cfg.recipe
     lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
-    optimizer = create_optimizer_v2(
-        _param_groups(model, recipe.weight_decay, recipe.backbone_lr_ratio), opt=recipe.opt,
+    return create_optimizer_v2(
+        _param_groups(run.model, recipe.weight_decay, recipe.backbone_lr_ratio), opt=recipe.opt,
         lr=lr, weight_decay=recipe.weight_decay, momentum=recipe.momentum)
+
+
+def _scheduler(run: Run):
     # per optimizer update, as Swin's release: stepped per epoch, a one-epoch warm-up (CPU
     # scale) would be one jump from warmup_lr to the peak
-    scheduler, epochs = create_scheduler_v2(
-        optimizer, sched=recipe.sched, num_epochs=recipe.epochs, warmup_epochs=recipe.warmup_epochs,
-        warmup_lr=recipe.warmup_lr, min_lr=recipe.min_lr, updates_per_epoch=steps_per_epoch,
+    recipe = run.cfg.recipe
+    return create_scheduler_v2(
+        run.optimizer, sched=recipe.sched, num_epochs=recipe.epochs, warmup_epochs=recipe.warmup_epochs,
+        warmup_lr=recipe.warmup_lr, min_lr=recipe.min_lr, updates_per_epoch=run.data.steps_per_epoch,
         step_on_epochs=False)
+
+
+def _steps(run: Run) -> Steps:
+    cfg, world, recipe, device = run.cfg, run.world, run.cfg.recipe, run.world.device
+    model, net, ema, amp = run.model, run.net, run.ema, run.amp
+    num_classes, batch = cfg.data.num_classes, run.data.batch * run.data.accumulate
+    val_loader = torch.utils.data.DataLoader(
+        world.shard(run.data.val_set), batch_size=batch, num_workers=cfg.scale.num_workers,
+        pin_memory=device.type == "cuda", persistent_workers=cfg.scale.num_workers > 0)
     mixup = (Mixup(**OmegaConf.to_container(recipe.mixup), label_smoothing=recipe.label_smoothing, num_classes=num_classes)
              if recipe.mixup else None)
     if mixup:
@@ -122,17 +139,6 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         criterion = LabelSmoothingCrossEntropy(recipe.label_smoothing)
     else:
         criterion = nn.CrossEntropyLoss()
-    amp, scaler = amp_context(cfg.amp, device, model)
-    averaged = ema.module if ema is not None else None
-    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler,
-                     replicas=[m for m in (model, averaged) if m is not None], model_ema=averaged)
-    init = loop.resume(init)
-
-    if cfg.compile:  # in place: state-dict keys stay as they are
-        model.compile()
-        if ema is not None:
-            ema.module.compile()
-    net = data_parallel(model, device) if world.world > 1 else model
 
     def forward(batch):
         images, targets = (t.to(device, non_blocking=True) for t in batch)
@@ -147,12 +153,14 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
             metrics.update({f"{k}_ema": v for k, v in evaluate(ema.module, val_loader, world, amp).items()})
         return metrics
 
-    return loop.fit(
-        net, train_set, batch // accumulate, sampler, steps_per_epoch, epochs, forward=forward,
-        evaluate=scores, accumulate=accumulate,
-        after_update=(lambda step: ema.update(model, step=step)) if ema is not None else None,
+    return Steps(
+        forward=forward, evaluate=scores,
         summary=lambda m: f"top1 {m['top1']:.2f}" + (f" (ema {m['top1_ema']:.2f})" if ema else ""),
-        meta={**meta, **run_meta(cfg, "classification", world.world, out_dir, accumulate=accumulate,
-                                 micro_batch_size=batch // accumulate, chance=chance_rule(
-            "top1", 1.5 * 100 / num_classes, "top-1 <= 1.5 x 100/classes"))}, init=init,
-        clip_grad=recipe.clip_grad)
+        meta=run_meta(cfg, "classification", world.world, run.out_dir, accumulate=run.data.accumulate,
+                      micro_batch_size=run.data.batch, chance=chance_rule(
+                          "top1", 1.5 * 100 / num_classes, "top-1 <= 1.5 x 100/classes")))
+
+
+TASK = Task(ranges=RANGES, data=_data, model=lambda run: model_from_config(run.cfg), init=_init,
+            describe=_describe, head=lambda model: model.get_classifier(), ema=_ema,
+            optimizer=_optimizer, scheduler=_scheduler, steps=_steps)

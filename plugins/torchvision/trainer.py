@@ -1,6 +1,7 @@
 """Detection training (torchvision Faster / Mask R-CNN, Swin backbone with any norm) and COCO
 evaluation. The schedule follows mmdetection's Swin configs: AdamW, linear warm-up over
-iterations, step decay at given epochs, multi-scale training.
+iterations, step decay at given epochs, multi-scale training. The task's parts (``TASK``) of
+the shared run skeleton, ``plugins.training.train``.
 
 Runs on one process or under ``torchrun`` (DDP; the replicas' norm state is made one before
 every evaluation and checkpoint, ``norm_sync``). Checkpoints every epoch to ``last.pt`` and
@@ -16,11 +17,11 @@ from omegaconf import DictConfig
 from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 
-from plugins.loop import CHECKPOINT, EpochLoop
+from plugins.distributed import Distributed
+from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
 from plugins.runlog import DETECTION_CHANCE, run_meta
-from plugins.sam import freeze_except
-from plugins.training import (Distributed, amp_context, begin_run, data_parallel,
-                              epoch_plan, load_weights, require_init, run_task)
+from plugins.training import Plan, Run, Steps, Task, epoch_plan, load_weights
+from plugins.training import train as train_task
 
 from .coco import CocoInstances, coco_evaluate, collate, to_coco_results
 from .detectors import CLASSIFIER_ONLY, build_detector
@@ -48,9 +49,13 @@ def build_datasets(data_cfg, masks: bool) -> tuple[CocoInstances, CocoInstances]
 @torch.no_grad()
 def evaluate(model, dataset: CocoInstances, batch_size: int, world: Distributed, amp,
              iou_types: Sequence[str]) -> dict[str, float]:
-    """COCO AP of ``model`` on ``dataset`` (each replica predicts a shard of it)."""
+    """COCO AP of ``model`` on ``dataset``, predicted in batches of ``batch_size`` consecutive
+    images, each replica predicting whole batches (every ``world``-th): a batch is padded to
+    its largest image, so its composition changes what the model sees, and a fixed batching
+    keeps the predictions independent of the number of replicas."""
     model.eval()
-    loader = torch.utils.data.DataLoader(world.shard(dataset), batch_size=batch_size,
+    batches = list(torch.utils.data.BatchSampler(range(len(dataset)), batch_size, drop_last=False))
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches[world.rank::world.world],
                                          collate_fn=collate)
     results = []
     for images, targets in loader:
@@ -64,51 +69,61 @@ def evaluate(model, dataset: CocoInstances, batch_size: int, world: Distributed,
 
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train and evaluate one detection run; returns the ``result.json`` content."""
-    return run_task(_train, cfg, out_dir, overrides, RANGES)
+    return train_task(TASK, cfg, out_dir, overrides)
 
 
-def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> dict:
-    recipe, device = cfg.recipe, world.device
-    require_init(cfg)
-    iou_types = ("bbox", "segm") if cfg.model.masks else ("bbox",)
+def _data(cfg: DictConfig, world: Distributed) -> Plan:
+    recipe = cfg.recipe
     train_set, val_set = build_datasets(cfg.data, cfg.model.masks)
     batch, sampler, steps_per_epoch = epoch_plan(train_set, recipe.batch_size,
                                                  cfg.scale.max_steps_per_epoch, world, cfg.seed)
-    cfg, run, finished = begin_run(cfg, out_dir, world, recipe.epochs * steps_per_epoch, CHECKPOINT)
-    if finished is not None:
-        return finished
+    return Plan(train_set=train_set, val_set=val_set, batch=batch, sampler=sampler,
+                steps_per_epoch=steps_per_epoch, norm_steps=recipe.epochs * steps_per_epoch,
+                collate_fn=collate)
 
-    model = build_detector(cfg.model, cfg.norm, train_set.num_classes).to(device)
-    init = "scratch"
-    if cfg.init_from:  # an ImageNet classification run of ours, into the backbone
-        init = load_weights(model.backbone.body, cfg.init_from, cfg.reset_norm_steps,
-                            ignore=CLASSIFIER_ONLY, trusted=cfg.trust_checkpoint)
-    if world.main:
-        print(f"{cfg.exp_name}: {cfg.model.name} with {cfg.norm.name} on {cfg.data.name} "
-              f"(scale {cfg.scale.name}, init {init}, {world.world} process(es), {device})")
 
-    freeze_except(model, cfg.train_only, head=model.roi_heads)  # train_only=norm|norm+head
+def _init(run: Run) -> str:  # an ImageNet classification run of ours, into the backbone
+    cfg = run.cfg
+    return load_weights(run.model.backbone.body, cfg.init_from, cfg.reset_norm_steps,
+                        ignore=CLASSIFIER_ONLY, trusted=cfg.trust_checkpoint)
+
+
+def _describe(run: Run) -> str:
+    cfg = run.cfg
+    return (f"{cfg.exp_name}: {cfg.model.name} with {cfg.norm.name} on {cfg.data.name} "
+            f"(scale {cfg.scale.name}, init {run.init}, {run.world.world} process(es), {run.world.device})")
+
+
+def _optimizer(run: Run):
+    cfg, recipe, model = run.cfg, run.cfg.recipe, run.model
     skip = {f"backbone.body.{name}" for name in model.backbone.body.no_weight_decay()}
     skip |= {name for name, _ in model.named_parameters() if "relative_position_bias_table" in name}
     peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
-    optimizer = create_optimizer_v2(
+    return create_optimizer_v2(
         param_groups_weight_decay(model, recipe.weight_decay, no_weight_decay_list=skip),
         opt=recipe.opt, lr=peak_lr,
         weight_decay=recipe.weight_decay)
-    scheduler, epochs = create_scheduler_v2(
-        optimizer, sched="multistep", num_epochs=recipe.epochs,
+
+
+def _scheduler(run: Run):
+    cfg, recipe, steps_per_epoch = run.cfg, run.cfg.recipe, run.data.steps_per_epoch
+    peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
+    return create_scheduler_v2(
+        run.optimizer, sched="multistep", num_epochs=recipe.epochs,
         decay_milestones=list(recipe.decay_epochs), decay_rate=recipe.decay_rate,
         warmup_epochs=recipe.warmup_iters / steps_per_epoch,
         warmup_lr=peak_lr * recipe.warmup_ratio, step_on_epochs=False,
         updates_per_epoch=steps_per_epoch)
-    amp, scaler = amp_context(cfg.amp, device, model)
-    loop = EpochLoop(cfg, out_dir, world, run, model, optimizer, scheduler, scaler,
-                     stats_module=model.backbone)
-    init = loop.resume(init)
 
-    if cfg.compile:  # the backbone: torchvision's heads branch on data; in place, keys unchanged
-        model.backbone.compile(dynamic=True)
-    net = data_parallel(model, device) if world.world > 1 else model
+
+def _compile(run: Run) -> None:
+    run.model.backbone.compile(dynamic=True)  # torchvision's heads branch on data; in place, keys unchanged
+
+
+def _steps(run: Run) -> Steps:
+    cfg, world, device, recipe = run.cfg, run.world, run.world.device, run.cfg.recipe
+    model, net, amp, epochs = run.model, run.net, run.amp, run.epochs
+    iou_types = ("bbox", "segm") if cfg.model.masks else ("bbox",)
 
     def forward(batch):
         images, targets = batch
@@ -121,11 +136,17 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     def scores(epoch: int) -> dict:
         if (epoch + 1) % recipe.eval_every and epoch + 1 != epochs:
             return {}
-        return evaluate(model, val_set, batch, world, amp, iou_types)
+        # in batches of the global batch (one process: the records' batches), not a replica's
+        return evaluate(model, run.data.val_set, recipe.batch_size, world, amp, iou_types)
 
-    return loop.fit(
-        net, train_set, batch, sampler, steps_per_epoch, epochs, forward=forward, evaluate=scores,
+    return Steps(
+        forward=forward, evaluate=scores,
         summary=lambda m: " ".join(f"{k} {m[k]:.2f}" for k in ("bbox_AP", "segm_AP") if k in m),
-        meta={**meta, **run_meta(cfg, "detection", world.world, out_dir, backend="torchvision",
-                                 chance=DETECTION_CHANCE)},
-        init=init, collate_fn=collate, clip_grad=recipe.clip_grad)
+        meta=run_meta(cfg, "detection", world.world, run.out_dir, backend="torchvision",
+                      chance=DETECTION_CHANCE))
+
+
+TASK = Task(ranges=RANGES, data=_data, init=_init, describe=_describe, optimizer=_optimizer,
+            model=lambda run: build_detector(run.cfg.model, run.cfg.norm, run.data.train_set.num_classes),
+            head=lambda model: model.roi_heads, scheduler=_scheduler, compile=_compile,
+            tapped=lambda model: model.backbone, steps=_steps)
