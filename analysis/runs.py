@@ -35,14 +35,31 @@ RUN_MECHANICS = ("exp", "scale", "logger", "record_statistics", "record_gns", "s
                  "hydra")
 
 
+#: where a run recorded before Hydra composed the CPU scale (issue 45) put its CPU overrides:
+#: ``recipe.cpu.lr=...`` then is ``recipe.lr=...`` (with scale=cpu) now
+RETIRED_SCALE_PREFIXES = {"recipe.cpu.": "recipe.", "model.cpu.": "model."}
+
+
 def load_runs(root: Path) -> list[dict]:
-    """Every ``result.json`` under ``root``, in path order."""
+    """Every ``result.json`` under ``root``, in path order; overrides in today's spelling
+    (``RETIRED_SCALE_PREFIXES``), so that a setting is one whenever its runs were made."""
     runs = []
     for path in sorted(Path(root).rglob("result.json")):
         run = json.loads(path.read_text())
         run["_path"] = str(path.parent)
+        if "overrides" in run:
+            run["overrides"] = [current_spelling(item) for item in run["overrides"]]
         runs.append(run)
     return runs
+
+
+def current_spelling(override: str) -> str:
+    """``recipe.cpu.lr=1`` -> ``recipe.lr=1`` (``RETIRED_SCALE_PREFIXES``); others as given."""
+    plus = "+" * (len(override) - len(override.lstrip("+")))
+    for retired, current in RETIRED_SCALE_PREFIXES.items():
+        if override.lstrip("+").startswith(retired):
+            return plus + current + override.lstrip("+")[len(retired):]
+    return override
 
 
 def figure_args(description: str, default_out: str, argv=None) -> argparse.Namespace:

@@ -273,7 +273,7 @@ def reference_method(task: str) -> str:
     return "Pre-LN" if task == "language_modelling" else "LN"
 
 
-MICRO_BATCH_KEY = "recipe.cpu.micro_batch_size"
+MICRO_BATCH_KEY = "recipe.micro_batch_size"
 #: the micro-batch question's rows (issue 33): each setting, as ``setting`` names it without
 #: the micro-batch, and its row's name
 MICRO_BATCH_SETTINGS = {"LN": "LN", "BN": "BN", "MABN": "MABN", "UN": "UN", "BCN": "BCN",
@@ -443,9 +443,9 @@ def _ratio(ratio: dict) -> str:
     return f"{ratio['median']:.2f} [{ratio['lo']:.2f}, {ratio['hi']:.2f}]"
 
 
-BATCH_KEY = "recipe.cpu.batch_size"  # the language-modelling batch-size sweep
+BATCH_KEY = "recipe.batch_size"  # the language-modelling batch-size sweep
 #: what a batch-size sweep's run may change: the batch, and the updates that keep its tokens
-BATCH_SWEEP_KEYS = tuple(f"recipe.cpu.{key}=" for key in
+BATCH_SWEEP_KEYS = tuple(f"recipe.{key}=" for key in
                          ("batch_size", "micro_batch_size", "max_steps", "warmup_steps", "eval_every"))
 
 

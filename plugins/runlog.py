@@ -35,15 +35,21 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "run.lock"  # held by the run writing the folder (flock), names its holder
 RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
+#: keys a run's config.yaml recorded before Hydra composed the scale (issue 45): the scale's
+#: variants inside the model and recipe (merged in, so recorded twice) and the scale's data
+#: names (the data itself recorded). A config that no longer has them continues such a run
+RETIRED_KEYS = {"model.cpu", "recipe.cpu", "scale.data"}
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
 
 
 def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two configurations (as loaded from YAML)."""
+    """Dotted keys whose values differ between two configurations (as loaded from YAML); a
+    retired key (``RETIRED_KEYS``) that only ``stored`` has is none."""
     if isinstance(stored, dict) and isinstance(new, dict):
         keys = sorted(set(stored) | set(new))
         return [diff for key in keys if f"{prefix}{key}" not in RESUME_KEYS
+                and not (f"{prefix}{key}" in RETIRED_KEYS and key not in new)
                 for diff in config_differences(stored.get(key), new.get(key), f"{prefix}{key}.")]
     return [] if stored == new else [f"{prefix.rstrip('.')} ({stored!r} -> {new!r})"]
 

@@ -1,7 +1,7 @@
 """The ``scale`` switch shared by every task: the paper's setting, or one that runs on a CPU."""
 from __future__ import annotations
 
-from pathlib import Path
+import logging
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence
 
@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 from plugins.model_options import check_model_options
 from unnorm.base import forgotten_warmup
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options counted in steps
+log = logging.getLogger(__name__)
 _ABSENT = object()
 
 
@@ -44,39 +44,43 @@ def check_ranges(cfg: DictConfig, ranges: Mapping[str, str]) -> None:
 
 def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
                      ranges: Mapping[str, str] = MappingProxyType({})) -> DictConfig:
-    """Apply ``scale`` (e.g. cpu) to a copy of the config: the model's small variant, the
-    embedded data, a short schedule, and the norms' step counts shrunk with it. The scale
-    only supplies defaults: every value the command line set (``overrides``, Hydra's
-    ``key=value`` strings) is kept as given. The values that will run are checked against
-    ``ranges`` and ``COMMON_RANGES`` (``check_ranges``) before anything computes with them,
-    and a layer option the task does not have is refused (``check_model_options``)."""
-    given = cfg
+    """The config that runs, from the one Hydra composed. Hydra has merged the scale's
+    variants (configs/scale/<group>/) and the command line; what is computed from the paper's
+    setting stays here: at ``scale=cpu`` the norms' step counts and groups, against the
+    paper's model, data and recipe that Hydra composed under ``paper`` (the run drops them:
+    ``scale.norm_step_factor`` and the norm options record the result in ``config.yaml``). A
+    norm option the command line set (``overrides``, Hydra's ``key=value`` strings) is kept
+    as given. The values that will run are checked against ``ranges`` and ``COMMON_RANGES``
+    (``check_ranges``) before anything computes with them, and a layer option the task does
+    not have is refused (``check_model_options``)."""
     cfg = cfg.copy()
-    scale = cfg.scale
     was_struct = OmegaConf.is_struct(cfg)
     OmegaConf.set_struct(cfg, False)
-    if scale.name != "full":
-        cfg.model = OmegaConf.merge(cfg.model, cfg.model.get(scale.name) or {})
-        cfg.recipe = OmegaConf.merge(cfg.recipe, cfg.recipe.get(scale.name) or {})
-    small_data = (scale.data or {}).get(cfg.task)
-    if small_data and cfg.data.name != small_data:  # chosen explicitly: kept with its overrides
-        cfg.data = OmegaConf.merge(cfg.data, OmegaConf.load(CONFIGS / "data" / f"{small_data}.yaml"))
-    explicit = command_line_values(given, overrides)
-    for key in explicit:
-        OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
+    if "paper" not in cfg:
+        raise ValueError("this config has no `paper` (the paper's model, data and recipe that "
+                         "configs/train.yaml composes): the scale is applied once, to a config "
+                         "Hydra composed from configs/train.yaml")
+    paper = OmegaConf.create({"task": cfg.task, **cfg.pop("paper")})
+    scale = cfg.scale
+    explicit = command_line_values(cfg, overrides)
     check_ranges(cfg, {**COMMON_RANGES, **ranges})
     check_model_options(cfg)
+    computed = {}
     if scale.scale_norm_steps:  # against the schedule that runs, command-line values included
-        factor = lr_warmup_steps(cfg, cfg.scale.get("max_steps_per_epoch")) / lr_warmup_steps(given)
+        factor = lr_warmup_steps(cfg, scale.get("max_steps_per_epoch")) / lr_warmup_steps(paper)
         cfg.scale.norm_step_factor = factor
         for option in NORM_STEP_OPTIONS:
             if cfg.norm.get(option) and f"norm.{option}" not in explicit:
-                cfg.norm[option] = max(1, round(cfg.norm[option] * factor))
-        if cfg.norm.get("warmup_iters") and "norm.warmup_iters" not in explicit:
-            cfg.norm.warmup_iters = warmup_floor(cfg.norm, given.norm.warmup_iters,
-                                                 scale.get("warmup_init_weight"))
+                computed[option] = max(1, round(cfg.norm[option] * factor))
+        if computed.get("warmup_iters"):
+            computed["warmup_iters"] = warmup_floor({**cfg.norm, **computed}, cfg.norm.warmup_iters,
+                                                    scale.get("warmup_init_weight"))
     if scale.get("scale_norm_groups") and cfg.norm.get("groups") and "norm.groups" not in explicit:
-        cfg.norm.groups = scaled_groups(cfg.norm.groups, _width(cfg.model), _width(given.model))
+        computed["groups"] = scaled_groups(cfg.norm.groups, _width(cfg.model), _width(paper.model))
+    if computed:
+        log.info("scale=%s computed from the paper's setting: %s", scale.name, ", ".join(
+            f"norm.{key} {cfg.norm[key]} -> {value}" for key, value in computed.items()))
+        cfg.norm.update(computed)
     OmegaConf.set_struct(cfg, was_struct)
     return cfg
 

@@ -140,7 +140,7 @@ literature_runs() {  # the literature's other norms (issue 33)
   # forward/backward while each update accumulates the recipe's 64 (as 32 or 16 replicas
   # without synced statistics would); 64 is the recipe (LN, BN, MABN, UN: the main runs)
   for seed in $PROBE_SEEDS; do for size in 2 4 64; do for model in swin_t t2t_vit_14; do
-    micro=$([[ $size == 64 ]] || echo "recipe.cpu.micro_batch_size=$size")
+    micro=$([[ $size == 64 ]] || echo "recipe.micro_batch_size=$size")
     for norm in ln bn mabn un bcn bcn_wsres bcn_est_wsres evonorm_b0 evonorm_s0 bcn_ws bcn_est_ws; do
       case $norm in
         ln|bn|mabn|un) [[ $size != 64 ]] || continue; exp="+exp=${model}_$norm" ;;
@@ -209,7 +209,7 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
   # UN's deficit, probed (issue 30, item 4): its collapse without outlier filtration with the
   # statistics recorded (kept up to the collapse), and at 64 sequences a batch each of its
   # phases switched off in turn: which one fails there
-  local b64="recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30"
+  local b64="recipe.batch_size=64 recipe.micro_batch_size=64 recipe.max_steps=90 recipe.warmup_steps=9 recipe.eval_every=30"
   for seed in $PROBE_SEEDS; do
     echo "lm_probes/llama_cpu_un-noOF-stats-s$seed +exp=llama_71m_un norm.outlier_filtration=false record_statistics=true seed=$seed"
     # batch statistics in a causal model: BN pooled over every position against over the
@@ -223,8 +223,8 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
   # the same 737k training tokens (360 updates of 16 x 128) in 4x more or fewer updates; the
   # micro-batch is the batch, so that UN's and LN's statistics see the batch size swept
   for seed in $PROBE_SEEDS; do for norm in ln un; do
-    echo "lm_batch/llama_cpu_$norm-b4-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=4 recipe.cpu.micro_batch_size=4 recipe.cpu.max_steps=1440 recipe.cpu.warmup_steps=144 recipe.cpu.eval_every=360 seed=$seed"
-    echo "lm_batch/llama_cpu_$norm-b64-s$seed +exp=llama_71m_$norm recipe.cpu.batch_size=64 recipe.cpu.micro_batch_size=64 recipe.cpu.max_steps=90 recipe.cpu.warmup_steps=9 recipe.cpu.eval_every=30 seed=$seed"
+    echo "lm_batch/llama_cpu_$norm-b4-s$seed +exp=llama_71m_$norm recipe.batch_size=4 recipe.micro_batch_size=4 recipe.max_steps=1440 recipe.warmup_steps=144 recipe.eval_every=360 seed=$seed"
+    echo "lm_batch/llama_cpu_$norm-b64-s$seed +exp=llama_71m_$norm recipe.batch_size=64 recipe.micro_batch_size=64 recipe.max_steps=90 recipe.warmup_steps=9 recipe.eval_every=30 seed=$seed"
   done; done
 }
 

@@ -203,7 +203,8 @@ def test_detector_variants_post_process_the_same_boxes():
 
     from plugins.torchvision.detectors import build_detector, fold_detector
     config = OmegaConf.load(ROOT / benchmark.MODELS["mask_rcnn_swin_t"])
-    config = OmegaConf.merge(config, config.cpu, {"masks": True})
+    cpu = OmegaConf.load(ROOT / "configs" / "scale" / "model" / "cpu_faster_rcnn_swin_t.yaml")
+    config = OmegaConf.merge(config, cpu, {"masks": True})
     config.detector_kwargs = {**config.detector_kwargs, **benchmark.EQUAL_DETECTIONS}
     images = benchmark.torch.rand(2, 3, 128, 128)
     work = {}

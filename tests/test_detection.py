@@ -25,7 +25,7 @@ from plugins.torchvision.shapes import CATEGORIES, ensure_shapes, render_image
 from plugins.torchvision.trainer import build_datasets, evaluate, train
 from test_vision import ROOT, assert_states_equal, config, kill_and_resume, run_script, two_replicas
 
-QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2"]
+QUICK = ["scale=cpu", "logger=none", "recipe.epochs=1", "scale.max_steps_per_epoch=2"]
 
 
 def _data(tmp_path, train=16, val=4):
@@ -200,10 +200,10 @@ def test_short_training_beats_an_untrained_detector(norm, tmp_path):
     detector's (which finds nothing: AP ~0; seeds 0 and 1 reached AP 5.6 and 9.0, AP50 17.5
     and 19.3). The committed CPU runs (results/runs/cpu/detection) show every recorded norm
     training further."""
-    overrides = ["scale=cpu", "logger=none", "recipe.cpu.epochs=8", "recipe.cpu.decay_epochs=[7]",
-                 "recipe.cpu.lr=1e-3", "recipe.cpu.warmup_iters=20", "recipe.cpu.eval_every=8",
+    overrides = ["scale=cpu", "logger=none", "recipe.epochs=8", "recipe.decay_epochs=[7]",
+                 "recipe.lr=1e-3", "recipe.warmup_iters=20", "recipe.eval_every=8",
                  *_data(tmp_path, train=192, val=48), "data.generate.size=96",
-                 "model.cpu.min_size=[96]", "model.cpu.max_size=96"]
+                 "model.min_size=[96]", "model.max_size=96"]
     cfg = effective_config(config(f"+exp=faster_rcnn_swin_t_{norm}", *overrides))
     torch.manual_seed(0)
     train_set, val_set = build_datasets(cfg.data, masks=False)
@@ -219,7 +219,7 @@ def test_short_training_beats_an_untrained_detector(norm, tmp_path):
 @pytest.mark.slow
 def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
     want, got = kill_and_resume(["scripts/train.py", "+exp=mask_rcnn_swin_t_un", "scale=cpu",
-                                 "logger=none", "recipe.cpu.epochs=3", "recipe.cpu.eval_every=1",
+                                 "logger=none", "recipe.epochs=3", "recipe.eval_every=1",
                                  "scale.max_steps_per_epoch=4", *_data(tmp_path, train=32, val=4)],
                                 tmp_path)
     assert got["steps"] == want["steps"] == 12
@@ -310,8 +310,8 @@ def test_norm_statistics_are_recorded_per_step(tmp_path):
 
 def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):
     result = train(config("+exp=faster_rcnn_swin_t_nonorm", *QUICK, *_data(tmp_path),
-                          "scale.max_steps_per_epoch=10", "recipe.cpu.lr=1e8",
-                          "recipe.cpu.warmup_iters=0", "collapse.check_every=1"), tmp_path / "run")
+                          "scale.max_steps_per_epoch=10", "recipe.lr=1e8",
+                          "recipe.warmup_iters=0", "collapse.check_every=1"), tmp_path / "run")
     saved = json.loads((tmp_path / "run" / "result.json").read_text())
     assert saved["status"] == "FAIL" and saved == result
     assert isinstance(saved["fail_step"], int) and 1 <= saved["fail_step"] <= 10

@@ -480,8 +480,8 @@ def test_fine_tuning_from_a_translation_run(learned, tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "run_logger", lambda *args, **kwargs: Recorder())
     source = Path(learned["un"]["run_dir"]) / "checkpoints" / "checkpoint_last.pt"
     overrides = ["+exp=iwslt14_un", "scale=cpu", "device=cpu", f"init_from={source}",
-                 "reset_norm_steps=true", "recipe.train.update_freq=2", "recipe.cpu.train.max_epoch=1",
-                 "recipe.cpu.average_last=1"]
+                 "reset_norm_steps=true", "recipe.train.update_freq=2", "recipe.train.max_epoch=1",
+                 "recipe.average_last=1"]
     result = launcher.train(config(*overrides), tmp_path / "run", overrides)
     assert result["status"] in FINISHED and result["update_freq"] == 2 and result["init"] == str(source)
     assert result["steps"] == 21  # one epoch: 42 micro-batches
@@ -507,7 +507,7 @@ def test_resume_after_kill_continues_from_fairseqs_checkpoint(learned, tmp_path)
     directory."""
     epochs = 3
     args = [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "scale=cpu", "device=cpu",
-            f"recipe.cpu.train.max_epoch={epochs}", f"recipe.cpu.train.max_update={epochs * 42}"]
+            f"recipe.train.max_epoch={epochs}", f"recipe.train.max_update={epochs * 42}"]
     run = tmp_path / "run"
     process = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=ROOT, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=script_env())
@@ -542,8 +542,8 @@ def test_gns_records_of_a_translation_run(synthetic_data, tmp_path):
     ``bsz``; epoch 1's add up to the corpus), the epoch's mean sentences as batch_size; and
     analysis.gns reads them."""
     overrides = ["scale=cpu", "device=cpu", "logger=none", "record_gns=true",
-                 "recipe.cpu.train.max_epoch=2", "recipe.cpu.train.max_update=63",
-                 "recipe.cpu.average_last=1"]
+                 "recipe.train.max_epoch=2", "recipe.train.max_update=63",
+                 "recipe.average_last=1"]
     cfg = config("+exp=iwslt14_ln", *overrides)
     result = launcher.train(cfg, tmp_path, overrides)
     assert result["status"] in FINISHED and result["steps"] == 63
@@ -591,9 +591,9 @@ def test_gns_records_each_sentences_gradient(synthetic_data, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["+exp=iwslt14_un", "recipe.cpu.train.lr=100", "recipe.cpu.train.warmup_updates=1",
+    (["+exp=iwslt14_un", "recipe.train.lr=100", "recipe.train.warmup_updates=1",
       "norm.warmup_iters=40"], "loss diverged"),
-    (["+exp=iwslt14_nonorm", "recipe.cpu.train.lr=1e6", "recipe.cpu.train.warmup_updates=1",
+    (["+exp=iwslt14_nonorm", "recipe.train.lr=1e6", "recipe.train.warmup_updates=1",
       "collapse.min_steps=100000"], "fairseq stopped: gradients are Nan/Inf"),
 ])
 def test_collapse_is_recorded_as_fail(overrides, reason, synthetic_data, tmp_path):
@@ -749,8 +749,8 @@ def test_a_translation_run_with_sam_on_trains_only_the_norms(synthetic_data, tmp
     run = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "scripts/train.py", "+exp=iwslt14_un", "sam=sam_on", "train_only=norm",
-         "scale=cpu", "device=cpu", "logger=none", "recipe.cpu.train.max_epoch=1",
-         "recipe.cpu.average_last=1", "recipe.generate.beam=1", "+recipe.generate.max_len_a=0",
+         "scale=cpu", "device=cpu", "logger=none", "recipe.train.max_epoch=1",
+         "recipe.average_last=1", "recipe.generate.beam=1", "+recipe.generate.max_len_a=0",
          "+recipe.generate.max_len_b=4", f"hydra.run.dir={run}"],
         cwd=ROOT, capture_output=True, text=True, env=script_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import unnorm
 from plugins.lm import PLACEMENTS, build_lm, dyt_llm_alphas, layer_placements
 from plugins.lm.model import NormedEmbedding
-from plugins.scale import CONFIGS
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
             num_attention_heads=4, context=16)
 
@@ -86,7 +87,7 @@ def test_pre_rms_in_bfloat16_is_hugging_faces_llama(monkeypatch):
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return (self.weight.float() * hidden_states).to(input_dtype)
 
-    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", round_once)
+    monkeypatch.setattr(LlamaRMSNorm, "forward", round_once)
     assert torch.equal(ours(ids).logits, theirs(ids).logits)
 
 
@@ -300,12 +301,15 @@ def test_bad_model_configs_are_refused():
 
 
 def test_hydra_model_config_builds_at_cpu_scale():
-    """configs/model/llama_71m.yaml as the scale switch leaves it (its cpu block merged, kept)."""
-    cfg = OmegaConf.load(CONFIGS / "model" / "llama_71m.yaml")
-    cfg = OmegaConf.merge(cfg, cfg.cpu)
-    model = build_lm(cfg, config_norm("ln"), vocab_size=64)
-    assert model.config.max_position_embeddings == cfg.context
-    assert len(model.model.layers) == cfg.num_hidden_layers
+    """configs/model/llama_71m.yaml with its scale=cpu variant merged (Hydra's composition),
+    and as a run's config.yaml recorded it before Hydra composed the scale (the variant kept
+    inside the model as ``cpu``): both build the CPU testbed."""
+    variant = OmegaConf.load(CONFIGS / "scale" / "model" / "cpu_llama_71m.yaml")
+    composed = OmegaConf.merge(OmegaConf.load(CONFIGS / "model" / "llama_71m.yaml"), variant)
+    for cfg in (composed, OmegaConf.merge(composed, {"cpu": variant})):
+        model = build_lm(cfg, config_norm("ln"), vocab_size=64)
+        assert model.config.max_position_embeddings == cfg.context == 128
+        assert len(model.model.layers) == cfg.num_hidden_layers == 6
 
 
 # ---- the unnorm options the model needs --------------------------------------------------------

@@ -51,8 +51,8 @@ def detection(tmp_path: Path, exp: str, *more: str, num_train: int = 16, epochs:
               logger: str = "none") -> list[str]:
     """Hydra overrides of a short mmdet run (evaluated once, at its end)."""
     return [f"+exp={exp}", *DETECTION, f"data.root={tmp_path / 'shapes'}",
-            f"data.generate.num_train={num_train}", f"recipe.cpu.epochs={epochs}",
-            f"recipe.cpu.eval_every={epochs}", f"logger={logger}", *more]
+            f"data.generate.num_train={num_train}", f"recipe.epochs={epochs}",
+            f"recipe.eval_every={epochs}", f"logger={logger}", *more]
 
 
 class _RunsCode:

@@ -112,6 +112,31 @@ def test_a_special_case_is_its_setting_with_what_it_changes(name):
     assert composed(f"+exp={name}") == OmegaConf.to_container(want)
 
 
+def _dotted(node, prefix: str = "") -> set[str]:
+    """The dotted keys a config file sets (its defaults list aside)."""
+    if not isinstance(node, dict):
+        return {prefix[:-1]}
+    return {key for name, value in node.items() if not (name == "defaults" and not prefix)
+            for key in _dotted(value, f"{prefix}{name}.")}
+
+
+def test_no_experiment_sets_what_the_cpu_scale_replaces():
+    """Hydra merges an experiment's own values after every group, the scale's variants
+    included: an experiment's value would beat scale=cpu's. So experiments leave what the
+    variants set (and the data, which scale=cpu replaces whole) to the groups: a schedule of
+    their own is a recipe file (configs/recipe/lm_c4_llama_130m.yaml)."""
+    scaled = {"data"}
+    for group in ("model", "recipe"):
+        for path in (ROOT / "configs" / "scale" / group).glob("*.yaml"):
+            scaled |= _dotted(OmegaConf.to_container(OmegaConf.load(path)), f"{group}.")
+    assert {"recipe.max_steps", "model.hidden_size", "recipe.train.lr"} <= scaled
+    for path in EXP.glob("*.yaml"):
+        own = _dotted(OmegaConf.to_container(OmegaConf.load(path)))
+        clash = sorted(key for key in own for other in scaled
+                       if f"{key}.".startswith(f"{other}.") or f"{other}.".startswith(f"{key}."))
+        assert not clash, f"configs/exp/{path.name} sets {clash}, which scale=cpu's variants set"
+
+
 @pytest.mark.parametrize("exp, backend, targets, residual", [
     ("t2t_vit_14", None, ["blocks.*.attn.qkv", "blocks.*.mlp.fc1"],
      ["blocks.*.attn.proj", "blocks.*.mlp.fc2"]),
@@ -453,9 +478,9 @@ def test_the_mmdet_conversion_bakes_standardised_weights_unless_the_detector_sta
 
 # three epochs of 12 updates at a flat learning rate, without label smoothing: enough for the
 # mean training loss to fall clearly at CPU scale, in a few seconds a run
-TRAIN = ["+exp=t2t_vit_14", "scale=cpu", "logger=none", "recipe.cpu.epochs=3",
-         "scale.max_steps_per_epoch=12", "recipe.cpu.warmup_epochs=0", "recipe.cpu.batch_size=32",
-         "recipe.cpu.lr_batch=32", "recipe.min_lr=2e-3", "recipe.label_smoothing=0"]
+TRAIN = ["+exp=t2t_vit_14", "scale=cpu", "logger=none", "recipe.epochs=3",
+         "scale.max_steps_per_epoch=12", "recipe.warmup_epochs=0", "recipe.batch_size=32",
+         "recipe.lr_batch=32", "recipe.min_lr=2e-3", "recipe.label_smoothing=0"]
 
 
 @pytest.mark.parametrize("overrides, layers, steps_per_epoch", [

@@ -151,7 +151,7 @@ def _trainer_run(task: str, tmp_path: Path):
     """``(train, config)`` of a two-epoch run of ``task``'s trainer."""
     from test_vision import config
 
-    two_epochs = ["scale=cpu", "logger=none", "recipe.cpu.epochs=2", "scale.max_steps_per_epoch=2"]
+    two_epochs = ["scale=cpu", "logger=none", "recipe.epochs=2", "scale.max_steps_per_epoch=2"]
     if task == "classification":
         from plugins.timm.trainer import train
         return train, config("+exp=swin_t_un", *two_epochs)

@@ -173,20 +173,60 @@ def _files(path: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("finished")
-    result = train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2"), run)
+    result = train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2"), run)
     assert result["status"] in FINISHED and (run / "previous.pt").exists()
     return run
 
 
 def test_resuming_or_requeueing_a_finished_run_changes_nothing(finished_run):
     before = _files(finished_run)
-    proc = run_script("scripts/train.py", "+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2",
+    proc = run_script("scripts/train.py", "+exp=swin_t_un", *QUICK, "recipe.epochs=2",
                       f"resume={finished_run}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "has finished (status ok); nothing to do" in proc.stdout
-    again = train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2"), finished_run)  # a requeue
+    again = train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2"), finished_run)  # a requeue
     assert again == json.loads((finished_run / "result.json").read_text())
     assert _files(finished_run) == before
+
+
+def test_cfg_job_prints_what_runs_but_the_norms_computed_options():
+    """scale=cpu is Hydra composition: ``--cfg job`` prints the model, data and recipe that
+    run, command-line values included; what differs is only what plugins/scale.py computes
+    from the paper's setting (the norms' step counts, recorded with their factor) and the
+    paper's setting itself, which the run drops."""
+    from plugins.runlog import config_differences
+
+    argv = ["+exp=swin_t_un", "scale=cpu", "recipe.lr=5e-3", "model.img_size=40"]
+    proc = run_script("scripts/train.py", *argv, "--cfg", "job", "--resolve")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = yaml.safe_load(proc.stdout)
+    runs = OmegaConf.to_container(effective_config(config(*argv), argv), resolve=True)
+    assert printed["recipe"]["lr"] == 5e-3 and printed["model"]["img_size"] == 40
+    assert printed["data"]["name"] == "digits" and printed["recipe"]["batch_size"] == 64
+    assert {diff.split(" ")[0] for diff in config_differences(printed, runs)} == {
+        "norm.warmup_iters", "norm.compensation_start", "scale.norm_step_factor", "paper"}
+
+
+def test_a_run_recorded_before_hydra_composed_the_scale_continues(tmp_path):
+    """A committed run from before issue 45: its config.yaml holds the scale's variants
+    inside the model and recipe (``model.cpu``, ``recipe.cpu``) and ``scale.data``, and its
+    command line spelled ``recipe.cpu.micro_batch_size=2``. Requeued with that command line in
+    today's spelling, it is the same run (finished: nothing to do, its records untouched)."""
+    import shutil
+
+    from analysis.runs import current_spelling
+
+    source = ROOT / "results" / "runs" / "cpu" / "micro_batch" / "swin_t_bcn_wsres-mb2-s0"
+    stored = yaml.safe_load((source / "config.yaml").read_text())
+    assert {"cpu"} <= set(stored["model"]) & set(stored["recipe"]) and "data" in stored["scale"]
+    record = json.loads((source / "result.json").read_text())
+    assert "recipe.cpu.micro_batch_size=2" in record["overrides"]
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    before = _files(run)
+    overrides = [current_spelling(item) for item in record["overrides"]]
+    assert train(config(*overrides), run, overrides) == record
+    assert _files(run) == before
 
 
 @pytest.fixture
@@ -203,10 +243,10 @@ def interrupted_run(finished_run, tmp_path):
 def test_a_resume_with_other_options_is_refused_and_writes_nothing(interrupted_run):
     before = _files(interrupted_run)
     with pytest.raises(ValueError, match=r"norm\.momentum \(0\.9 -> 0\.5\)"):
-        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", "norm.momentum=0.5",
+        train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2", "norm.momentum=0.5",
                      f"resume={interrupted_run}"), interrupted_run)
     with pytest.raises(ValueError, match="norm.name"):
-        train(config("+exp=swin_t_ln", *QUICK, "recipe.cpu.epochs=2", f"resume={interrupted_run}"),
+        train(config("+exp=swin_t_ln", *QUICK, "recipe.epochs=2", f"resume={interrupted_run}"),
               interrupted_run)
     assert _files(interrupted_run) == before
 
@@ -215,7 +255,7 @@ def test_resuming_a_finished_run_with_other_options_is_refused(finished_run):
     """Nothing would run, so the changed option would be dropped without a word."""
     before = _files(finished_run)
     with pytest.raises(ValueError, match=r"refusing to resume .*norm\.momentum \(0\.9 -> 0\.5\)"):
-        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", "norm.momentum=0.5",
+        train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2", "norm.momentum=0.5",
                      f"resume={finished_run}"), finished_run)
     assert _files(finished_run) == before
 
@@ -225,11 +265,11 @@ def test_a_damaged_checkpoint_names_the_file_and_the_fallback(interrupted_run):
     last.write_bytes(last.read_bytes()[:1000])
     before = _files(interrupted_run)
     with pytest.raises(ValueError, match=rf"{last} is not a readable checkpoint.*previous\.pt"):
-        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", f"resume={interrupted_run}"),
+        train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2", f"resume={interrupted_run}"),
               interrupted_run)
     assert _files(interrupted_run) == before
     (interrupted_run / "previous.pt").replace(last)  # the fix the message names
-    result = train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2",
+    result = train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2",
                           f"resume={interrupted_run}"), interrupted_run)
     assert result["status"] in FINISHED and result["steps"] == 6
 
@@ -306,7 +346,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_naming_the_file_and_the_opt
     (interrupted_run / "last.pt").write_bytes(evil.read_bytes())
     with pytest.raises(UnsafeCheckpoint, match=rf"resume: {interrupted_run / 'last.pt'} holds .*"
                                                "trust_checkpoint=true"):
-        train(config("+exp=swin_t_un", *QUICK, "recipe.cpu.epochs=2", f"resume={interrupted_run}"),
+        train(config("+exp=swin_t_un", *QUICK, "recipe.epochs=2", f"resume={interrupted_run}"),
               interrupted_run)
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import cka

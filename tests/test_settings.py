@@ -55,23 +55,21 @@ def test_a_context_longer_than_the_data_names_the_context_and_the_split(tmp_path
 
 
 @pytest.mark.parametrize("override, message", [
-    ("recipe.cpu.lr=-1", "recipe.lr must be > 0, got -1"),
-    ("recipe.cpu.batch_size=0", "recipe.batch_size must be >= 1, got 0"),
-    ("recipe.cpu.epochs=0", "recipe.epochs must be >= 1, got 0"),
+    ("recipe.lr=-1", "recipe.lr must be > 0, got -1"),
+    ("recipe.batch_size=0", "recipe.batch_size must be >= 1, got 0"),
+    ("recipe.epochs=0", "recipe.epochs must be >= 1, got 0"),
     ("recipe.label_smoothing=1.0", "recipe.label_smoothing must be in [0, 1), got 1.0"),
     ("scale.max_steps_per_epoch=0", "scale.max_steps_per_epoch must be null or >= 1, got 0"),
 ])
 def test_classification_refuses_a_bad_setting_by_name(override, message, tmp_path):
-    """(``recipe.cpu.*``: in-process runs pass no command line, so scale=cpu's own values
-    would replace a plain ``recipe.*`` override.)"""
     with pytest.raises(ValueError, match=re.escape(message)):
         classification_train(config("+exp=swin_t_un", *QUICK, override), tmp_path / "run")
 
 
 @pytest.mark.parametrize("override, message", [
-    ("recipe.cpu.lr=0", "recipe.lr must be > 0, got 0"),
-    ("recipe.cpu.eval_every=0", "recipe.eval_every must be >= 1, got 0"),
-    ("recipe.cpu.warmup_iters=-5", "recipe.warmup_iters must be >= 0, got -5"),
+    ("recipe.lr=0", "recipe.lr must be > 0, got 0"),
+    ("recipe.eval_every=0", "recipe.eval_every must be >= 1, got 0"),
+    ("recipe.warmup_iters=-5", "recipe.warmup_iters must be >= 0, got -5"),
 ])
 def test_detection_refuses_a_bad_setting_by_name(override, message, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):

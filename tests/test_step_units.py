@@ -33,7 +33,7 @@ def test_cpu_scaling_of_norm_steps_uses_micro_batches_on_both_sides():
     cpu = _effective("+exp=wmt14_un", "scale=cpu", NO_FLOOR)
     assert cpu.scale.norm_step_factor == 100 / 160000
     assert cpu.norm.warmup_iters == round(4000 * 100 / 160000)
-    accumulated = _effective("+exp=wmt14_un", "scale=cpu", "recipe.cpu.train.update_freq=4", NO_FLOOR)
+    accumulated = _effective("+exp=wmt14_un", "scale=cpu", "recipe.train.update_freq=4", NO_FLOOR)
     assert accumulated.recipe.train.update_freq == 4
     assert accumulated.norm.warmup_iters == round(4000 * 100 * 4 / 160000)
     iwslt = _effective("+exp=iwslt14_un", "scale=cpu")  # update_freq 1 on both sides

@@ -32,7 +32,7 @@ from analysis.statistics import load_statistics
 from plugins.timm.trainer import _param_groups, train
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=3"]
+QUICK = ["scale=cpu", "logger=none", "recipe.epochs=1", "scale.max_steps_per_epoch=3"]
 
 
 def config(*overrides):
@@ -77,7 +77,7 @@ def test_cpu_scale_learns_the_digits(tmp_path):
     """A short CPU run beats chance (10%) clearly: the pipeline really trains. The learning
     rate moves every update: a linear warm-up from warmup_lr over the first epoch's 22
     updates (flat if the schedule stepped per epoch), then timm's cosine over all 88."""
-    result = train(config("+exp=swin_t_ln", "scale=cpu", "logger=none", "recipe.cpu.epochs=4"),
+    result = train(config("+exp=swin_t_ln", "scale=cpu", "logger=none", "recipe.epochs=4"),
                    tmp_path)
     assert result["status"] == "ok" and result["metrics"]["top1"] > 40
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -116,8 +116,8 @@ def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
 @pytest.mark.slow
 def test_resume_after_kill_continues_from_the_saved_epoch(tmp_path):
     want, got = kill_and_resume(["scripts/train.py", "+exp=t2t_vit_14_un", "scale=cpu", "logger=none",
-                                 "recipe.cpu.epochs=3", "scale.max_steps_per_epoch=8",
-                                 "recipe.cpu.model_ema.decay=0.9"], tmp_path)
+                                 "recipe.epochs=3", "scale.max_steps_per_epoch=8",
+                                 "recipe.model_ema.decay=0.9"], tmp_path)
     assert got["steps"] == want["steps"] == 24
     for key in ("top1", "top1_ema", "train_loss"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5), key
@@ -214,8 +214,8 @@ def assert_states_equal(first: dict, second: dict, what: str, rtol=0.0, atol=0.0
         torch.testing.assert_close(second[key], value, rtol=rtol, atol=atol, msg=f"{what}: {key}")
 
 
-DDP_RUN = ["+exp=t2t_vit_14_un", "scale=cpu", "logger=none", "recipe.cpu.epochs=2",
-           "scale.max_steps_per_epoch=3", "recipe.cpu.model_ema.decay=0.9"]
+DDP_RUN = ["+exp=t2t_vit_14_un", "scale=cpu", "logger=none", "recipe.epochs=2",
+           "scale.max_steps_per_epoch=3", "recipe.model_ema.decay=0.9"]
 
 
 @pytest.mark.slow
@@ -282,8 +282,8 @@ def test_synced_statistics_agree_on_every_replica_at_every_step(tmp_path):
 
 
 def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):
-    result = train(config("+exp=swin_t_nonorm", "scale=cpu", "logger=none", "recipe.cpu.lr=1e6",
-                          "recipe.cpu.warmup_epochs=0", "collapse.check_every=1"), tmp_path)
+    result = train(config("+exp=swin_t_nonorm", "scale=cpu", "logger=none", "recipe.lr=1e6",
+                          "recipe.warmup_epochs=0", "collapse.check_every=1"), tmp_path)
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["status"] == "FAIL" and saved == result
     assert isinstance(saved["fail_step"], int) and saved["fail_step"] < 22
@@ -294,8 +294,8 @@ def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):
 def test_a_collapse_keeps_the_statistics_recorded_up_to_it(tmp_path):
     """record_statistics=true: the epoch a run collapsed in is saved up to the collapse (every
     step it took, the last non-finite), so the collapse can be looked at."""
-    result = train(config("+exp=swin_t_un", "scale=cpu", "logger=none", "recipe.cpu.lr=1e6",
-                          "recipe.cpu.warmup_epochs=0", "collapse.check_every=1",
+    result = train(config("+exp=swin_t_un", "scale=cpu", "logger=none", "recipe.lr=1e6",
+                          "recipe.warmup_epochs=0", "collapse.check_every=1",
                           "record_statistics=true"), tmp_path)
     assert result["status"] == "FAIL"
     stats = load_statistics(tmp_path)
@@ -430,23 +430,23 @@ def test_fold_script_writes_a_loadable_folded_checkpoint(norm, summary, left, tm
     assert proc.returncode != 0 and "no checkpoint" in proc.stderr
 
 
-MICRO_RUN = ["scale=cpu", "logger=none", "recipe.cpu.epochs=1", "scale.max_steps_per_epoch=2",
-             "recipe.cpu.batch_size=8", "recipe.cpu.lr_batch=8", "recipe.cpu.mixup=null",
+MICRO_RUN = ["scale=cpu", "logger=none", "recipe.epochs=1", "scale.max_steps_per_epoch=2",
+             "recipe.batch_size=8", "recipe.lr_batch=8", "recipe.mixup=null",
              "model.kwargs.drop_path_rate=0", "seed=0"]
 
 
 def test_micro_batches_accumulate_the_update_and_the_norms_count_them(tmp_path):
-    """recipe.cpu.micro_batch_size=4 of a batch of 8: LN (no batch statistics) takes the same
+    """recipe.micro_batch_size=4 of a batch of 8: LN (no batch statistics) takes the same
     updates as with the whole batch in one pass; UN counts micro-batches (2 per update), and
     the norms' step counts keep their place in updates (the scale rule's factor doubles)."""
     states = {}
-    for name, extra in (("whole", []), ("micro", ["recipe.cpu.micro_batch_size=4"])):
+    for name, extra in (("whole", []), ("micro", ["recipe.micro_batch_size=4"])):
         result = train(config("+exp=t2t_vit_14_ln", *MICRO_RUN, *extra), tmp_path / name)
         assert result["status"] in FINISHED and result["accumulate"] == (2 if extra else 1)
         states[name] = load_checkpoint(tmp_path / name / "last.pt")["model"]
     assert_states_equal(states["whole"], states["micro"], "LN: micro-batches against the batch",
                         rtol=1e-5, atol=1e-6)
-    result = train(config("+exp=t2t_vit_14_un", *MICRO_RUN, "recipe.cpu.micro_batch_size=4"),
+    result = train(config("+exp=t2t_vit_14_un", *MICRO_RUN, "recipe.micro_batch_size=4"),
                    tmp_path / "un")
     state = load_checkpoint(tmp_path / "un" / "last.pt")["model"]
     assert {int(v) for k, v in state.items() if k.endswith("num_iters")} == {2 * 2}
@@ -455,5 +455,5 @@ def test_micro_batches_accumulate_the_update_and_the_norms_count_them(tmp_path):
     assert factors[0] == factors[1] and factors[0] == pytest.approx(
         2 * OmegaConf.load(tmp_path / "whole" / "config.yaml").scale.norm_step_factor)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        train(config("+exp=t2t_vit_14_ln", *MICRO_RUN, "recipe.cpu.micro_batch_size=3"),
+        train(config("+exp=t2t_vit_14_ln", *MICRO_RUN, "recipe.micro_batch_size=3"),
               tmp_path / "bad")

@@ -164,14 +164,12 @@ def replicas(cfg: DictConfig, device: str) -> int:
     return int(cfg.recipe.train.get("distributed_world_size") or torch.cuda.device_count())
 
 
-def fit_update_freq(cfg: DictConfig, given: DictConfig, overrides: Sequence[str],
-                    world: int) -> DictConfig:
+def fit_update_freq(cfg: DictConfig, overrides: Sequence[str], world: int) -> DictConfig:
     """``cfg`` with ``update_freq`` for ``world`` GPUs: the recipe's ``update_freq`` is per GPU
     for ``recipe.gpus`` GPUs (WMT14: 16 on 8), and an update keeps its tokens (GPUs x
     update_freq micro-batches) on any other number. An ``update_freq`` set on the command
-    line (``given``'s ``overrides``) is kept as given."""
-    keys = {"recipe.train.update_freq", f"recipe.{cfg.scale.name}.train.update_freq"}
-    if keys & set(command_line_values(given, overrides)):
+    line (``overrides``) is kept as given."""
+    if "recipe.train.update_freq" in command_line_values(cfg, overrides):
         return cfg
     recipe = cfg.recipe
     micro_batches = recipe.train.update_freq * recipe.gpus
@@ -381,12 +379,12 @@ def run_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[DictConf
     """The run's configuration as it trains on this machine, with its device and number of
     processes: the scale applied, the settings checked, ``update_freq`` for the GPUs there
     are, and the norm fitted to the run's length in norm steps."""
-    given, cfg = cfg, effective_config(cfg, overrides)
+    cfg = effective_config(cfg, overrides)
     check_settings(cfg)
     device = fairseq_device(cfg)
     check_precision(cfg, device)
     world = replicas(cfg, device)
-    cfg = fit_update_freq(cfg, given, overrides, world)
+    cfg = fit_update_freq(cfg, overrides, world)
     check_training_through_norms(cfg)
     return fit_norm_to_run(cfg, run_length(cfg)), device, world
 

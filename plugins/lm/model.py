@@ -68,7 +68,6 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import unnorm
 from plugins.norms import norm_kwargs
-from plugins.scale import CONFIGS
 
 from .attention import add_qk_norm
 
@@ -101,9 +100,10 @@ LM_OPTIONS = {"norm_position": "pre", "mix_post_fraction": 0.25, "embedding_norm
 INITS = ("hf", "mixln")
 #: Mix-LN's release draws its token embeddings with this std at every width
 MIXLN_EMBEDDING_STD = math.sqrt(2 / 5)
-#: keys of a Hydra model config that are no model fields: its name, its scale variants
-#: (``cpu:``), which the scale switch has already merged in, and the width it scales groups by
-_LABELS = {"name", "width"} | {path.stem for path in (CONFIGS / "scale").glob("*.yaml")}
+#: keys of a Hydra model config that are no model fields: its name, the width the scale
+#: switch scales groups by, and ``cpu``, the scale variant that ``config.yaml`` recorded inside
+#: the model before Hydra composed it (``plugins.runlog.RETIRED_KEYS``)
+_LABELS = {"name", "width", "cpu"}
 _ALIASES = {"context": "max_position_embeddings"}
 _LLAMA_EXTRA = {"rope_theta"}  # legacy LlamaConfig keyword, taken into rope_parameters
 
@@ -117,8 +117,8 @@ def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> "UnnormLlama
     placement options: ``norm_position`` (pre | post | peri | mix), ``mix_post_fraction``
     (0.25), ``embedding_norm`` (false), ``final_norm`` (null: as the placement says),
     ``dyt_llm_recipe`` and ``prepbn_llm_recipe`` (true), ``qk_norm`` (null, or a registry
-    norm on each head's queries and keys) and ``init`` (``hf`` or ``mixln``). ``name`` and the scale variants
-    (``cpu:``) are labels the scale switch has already applied.
+    norm on each head's queries and keys) and ``init`` (``hf`` or ``mixln``). ``name``, ``width`` and a
+    recorded ``cpu`` variant are labels, no fields (``_LABELS``).
 
     The norms' ``eps`` is ``rms_norm_eps`` where the norm config leaves it unset; ``rms`` has
     no bias (Llama's RMSNorm); PN with layer-scale and ``group_num: null`` groups by the
