@@ -45,7 +45,13 @@ def load_runs(root: Path) -> list[dict]:
     (``RETIRED_SCALE_PREFIXES``), so that a setting is one whenever its runs were made."""
     runs = []
     for path in sorted(Path(root).rglob("result.json")):
-        run = json.loads(path.read_text())
+        try:
+            run = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not a whole result.json ({error}): the run writes it "
+                             "atomically, so it was damaged after (a partial copy?); copy it "
+                             "again from the run, or move the run folder out of the runs "
+                             "read") from error
         run["_path"] = str(path.parent)
         if "overrides" in run:
             run["overrides"] = [current_spelling(item) for item in run["overrides"]]

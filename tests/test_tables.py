@@ -60,6 +60,18 @@ def test_cells_summarise_seeds_failures_and_cpu_scale(tmp_path):
     assert "81.0 $\\pm$ 1.0 (n=3)" in tex and "\\begin{tabular}" in tex
 
 
+def test_a_damaged_record_is_named_with_the_fix(tmp_path):
+    runs = tmp_path / "runs"
+    write_run(runs, "ln0", norm="ln", metrics={"top1": 80.0})
+    write_run(runs, "bn0", norm="bn", metrics={"top1": 70.0})
+    damaged = runs / "bn0" / "result.json"
+    damaged.write_text(damaged.read_text()[:40])
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs),
+                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert f"{damaged} is not a whole result.json" in proc.stderr and "copy it again" in proc.stderr
+
+
 def test_a_composed_norm_is_its_method_and_weight_standardization_a_change(tmp_path):
     """``+exp=swin_t norm=bcn`` is BCN as configured, as ``+exp=swin_t_un`` is UN; adding
     ``ws=transformer`` changes what trains, so it is neither BCN's default cell nor merged in."""
