@@ -30,9 +30,10 @@ TASK_METRIC = {"classification": "top1", "translation": "bleu", "detection": "bb
 LOWER_IS_BETTER = {"val_loss"}
 #: Llama placements (model.norm_position) as the papers name them with their norm
 PLACEMENT_NAMES = {"pre": "Pre", "post": "Post", "peri": "Peri", "mix": "Mix"}
-# overrides that say how a run was made, not what was trained
+# overrides that say how a run was made, not what was trained (``+sweep=window_size`` launches
+# the values its job records, e.g. ``norm.window_size=6``)
 RUN_MECHANICS = ("exp", "scale", "logger", "record_statistics", "record_gns", "seed", "device", "resume",
-                 "hydra")
+                 "hydra", "sweep")
 
 
 #: where a run recorded before Hydra composed the CPU scale (issue 45) put its CPU overrides:

@@ -121,9 +121,13 @@ def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
               metrics={"top1": 60.0})
     write_run(runs, "un_m2_lr", overrides=["norm.window_size=2", "recipe.lr=1"],
               norm_options=options, metrics={"top1": 1.0})
+    # a job of the documented sweep (+sweep=window_size, restricted: norm.window_size=6,8)
+    write_run(runs, "un_m6_sweep", overrides=["+exp=swin_t_un", "+sweep=window_size",
+                                              "norm.window_size=6"],
+              norm_options=options, metrics={"top1": 75.0})
     markdown = make_tables(runs, tmp_path / "out")
     window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
-    assert window[1:] == ["70.0 (n=1)", "81.0 ± 1.0 (n=3)", "—", "—", "—"]
+    assert window[1:] == ["70.0 (n=1)", "81.0 ± 1.0 (n=3)", "75.0 (n=1)", "—", "—"]
     assert table_row(markdown, "Table 5", "1")[-1] == "81.0 ± 1.0 (n=3)"
     assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1)"
 
