@@ -1,8 +1,9 @@
 """The paper's Tables 1-10 from recorded runs, beside the paper's numbers.
 
     python scripts/make_tables.py [--runs results/runs] [--out results/tables]
+    python scripts/make_tables.py --runs results/runs multirun/<time> --out my_tables   # yours beside ours
 
-Reads every ``result.json`` under ``--runs`` and the paper's numbers in
+Reads every ``result.json`` under each ``--runs`` folder and the paper's numbers in
 ``results/paper/tables.yaml``; writes ``tables.md`` and ``tables.tex``. A cell of ours is the
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
 better than chance show as ``chance k/n``, collapsed ones as FAIL with their step; each cell
@@ -19,6 +20,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # analysis/ from a plain checkout
+COMMITTED_RUNS = ROOT / "results" / "runs"
+COMMITTED_TABLES = ROOT / "results" / "tables"
 
 from analysis.runs import load_runs  # noqa: E402
 from analysis.tables import build_tables, to_latex, to_markdown  # noqa: E402
@@ -26,14 +29,23 @@ from analysis.tables import build_tables, to_latex, to_markdown  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, default=ROOT / "results" / "runs")
+    parser.add_argument("--runs", type=Path, nargs="+", default=[COMMITTED_RUNS],
+                        help="run folders, searched for result.json (default: the committed runs)")
     parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper" / "tables.yaml")
     parser.add_argument("--benchmarks", type=Path, default=ROOT / "results" / "benchmarks")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "tables")
+    parser.add_argument("--out", type=Path, default=COMMITTED_TABLES,
+                        help="where tables.md and tables.tex go (default: the committed tables, "
+                             "written only from the committed runs)")
     args = parser.parse_args()
     if not args.paper.exists():
         sys.exit(f"paper numbers not found at {args.paper}")
-    runs = load_runs(args.runs) if args.runs.exists() else []
+    missing = [str(folder) for folder in args.runs if not folder.is_dir()]
+    if missing:
+        sys.exit(f"--runs: no such folder: {', '.join(missing)}")
+    if args.out.resolve() == COMMITTED_TABLES and [r.resolve() for r in args.runs] != [COMMITTED_RUNS]:
+        sys.exit(f"{COMMITTED_TABLES} holds the tables of the committed runs ({COMMITTED_RUNS}) "
+                 "alone; give these runs' tables a folder of their own: --out <folder>")
+    runs = [run for folder in args.runs for run in load_runs(folder)]
     tables = build_tables(yaml.safe_load(args.paper.read_text()), runs, args.benchmarks)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tables.md").write_text(to_markdown(tables, len(runs)))

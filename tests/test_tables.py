@@ -25,6 +25,7 @@ def write_run(root: Path, name: str, **fields) -> None:
 
 
 def make_tables(runs: Path, out: Path) -> str:
+    runs.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs),
                            "--out", str(out), "--benchmarks", str(runs / "none")],
                           cwd=ROOT, capture_output=True, text=True)
@@ -70,6 +71,26 @@ def test_a_damaged_record_is_named_with_the_fix(tmp_path):
                            "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0
     assert f"{damaged} is not a whole result.json" in proc.stderr and "copy it again" in proc.stderr
+
+
+def test_my_runs_beside_the_committed_ones_never_over_the_committed_tables(tmp_path):
+    """Several run folders table together; the committed tables are written only from the
+    committed runs, and a folder that is not there is named."""
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    write_run(mine, "bn0", norm="bn", metrics={"top1": 70.0})
+    write_run(theirs, "ln0", norm="ln", metrics={"top1": 80.0})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(mine),
+                           str(theirs), "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert table_row((out / "tables.md").read_text(), "Table 2", "BN")[1].endswith("/ 70.0 (n=1)")
+    committed = (ROOT / "results" / "tables" / "tables.md").read_bytes()
+    for argv, message in ((["--runs", str(mine)], "--out <folder>"),
+                          (["--runs", str(tmp_path / "typo"), "--out", str(out)], "no such folder")):
+        proc = subprocess.run([sys.executable, "scripts/make_tables.py", *argv], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert proc.returncode != 0 and message in proc.stderr
+    assert (ROOT / "results" / "tables" / "tables.md").read_bytes() == committed
 
 
 def test_a_composed_norm_is_its_method_and_weight_standardization_a_change(tmp_path):
@@ -384,6 +405,7 @@ def test_table8_prints_speedups_with_their_interval_beside_the_no_norm_limit(tmp
              ("no_norm", 10.8, ratio(1.08, 1.06, 1.11)))]
     rows[1]["mem_vs_ln"] = ratio(0.9, 0.85, 0.97)  # peak RSS over LN's, paired by process
     (bench / "inference_cpu.json").write_text(json.dumps({"device": "cpu", "batch": 8, "inference": rows}))
+    (tmp_path / "none").mkdir()
     proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(tmp_path / "none"),
                            "--out", str(tmp_path / "out"), "--benchmarks", str(bench)],
                           cwd=ROOT, capture_output=True, text=True)
