@@ -6,6 +6,7 @@ Several GPUs: ``torchrun --nproc_per_node=8 scripts/train.py +exp=...``.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,8 +22,26 @@ SUFFIX = run_folder_suffix()  # once: Hydra may resolve hydra.run.dir more than 
 OmegaConf.register_new_resolver("run_suffix", lambda: SUFFIX)
 
 
+HYDRA_OWN = {".hydra", "train.log"}  # what Hydra writes into a run folder before the job
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    """Train one run; a launch refused before its run wrote anything leaves no folder (Hydra
+    makes one for every launch, a resume's too)."""
+    launched = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        return run(cfg)
+    except BaseException:
+        try:
+            if {path.name for path in launched.iterdir()} <= HYDRA_OWN:
+                shutil.rmtree(launched)
+        except OSError:  # another replica of the launch removed it first
+            pass
+        raise
+
+
+def run(cfg: DictConfig) -> float:
     from plugins.fsdp import STRATEGIES, check_distributed  # fairseq and mmdetection too
     sharding = cfg.task == "language_modelling"
     check_distributed(cfg, STRATEGIES if sharding else ("ddp",), activation_checkpointing=sharding)

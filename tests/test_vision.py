@@ -334,8 +334,13 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path):
     with pytest.raises(FileNotFoundError, match="cifar-10-batches-py"):
         train(config("+exp=t2t_vit_14_cifar10_un", "logger=none", "data.root=/nonexistent",
                      "init_from=/nonexistent/last.pt"), tmp_path / "c")
-    proc = run_script("scripts/train.py", "+exp=swin_t_un", "scale=cpu", f"resume={tmp_path}")
-    assert proc.returncode != 0 and "no last.pt" in proc.stderr
+    launched = tmp_path / "launched"  # Hydra's folder for the launch: gone with the refusal
+    for refused, message in ((f"resume={tmp_path}", "no last.pt"),
+                             ("lr_multiple=-1", "lr_multiple must be > 0")):
+        proc = run_script("scripts/train.py", "+exp=swin_t_un", "scale=cpu", refused,
+                          f"hydra.run.dir={launched}")
+        assert proc.returncode != 0 and message in proc.stderr
+        assert not launched.exists()
 
 
 def test_finetuning_resets_norm_steps_and_scales_the_backbone_lr(tmp_path):
