@@ -199,12 +199,13 @@ def started(cfg, out_dir: Path, overrides: Sequence[str] = (),
     """A run's start, held for the block: ``(cfg, world, meta)``. Applies the scale switch
     (refusing an option outside its range: the task's ``ranges`` and every task's,
     ``check_ranges``), joins the process group and holds the run folder; ``meta`` records
-    the data's name and ``overrides`` (the command line's, so tables can tell sweeps from
-    defaults). ``strategies``: the ``distributed.strategy`` values the task trains with,
+    the experiment's data (the paper's, which tables group runs by, whatever the scale ran
+    on) and ``overrides`` (the command line's, so tables can tell sweeps from defaults).
+    ``strategies``: the ``distributed.strategy`` values the task trains with,
     ``activation_checkpointing``: whether it has that option
     (``plugins.fsdp.check_distributed``)."""
-    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
-    cfg = effective_config(cfg, overrides, ranges)
+    cfg, composed = effective_config(cfg, overrides, ranges), cfg
+    meta = {"exp_data": composed.paper.data.name, "overrides": list(overrides)}
     check_amp(cfg.amp)
     sharded = check_distributed(cfg, strategies, activation_checkpointing) == "fsdp"
     world = Distributed(cfg.device, group=sharded)

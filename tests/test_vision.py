@@ -58,6 +58,7 @@ def run_script(*args, timeout=300, **kwargs):
 def test_every_norm_trains_both_models(model, norm, tmp_path):
     result = train(config(f"+exp={model}_{norm}", *QUICK), tmp_path)
     assert result["status"] in FINISHED and result["norm"] == norm and result["steps"] == 3
+    assert result["exp_data"] == "imagenet" and result["data"] == "digits"  # tables group by the first
     # three updates inside the warm-up: chance unless top-1 beats 1.5 x 100/10 classes
     assert result["status"] == ("chance" if result["metrics"]["top1"] <= 15 else "ok")
     assert result["chance"]["metric"] == "top1" and result["chance"]["threshold"] == 15

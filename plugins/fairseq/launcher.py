@@ -392,7 +392,7 @@ def run_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[DictConf
 def train(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
     """Train, average, translate and score one run, holding its folder (``run_folder_lock``)
     once its settings pass; returns the ``result.json`` content."""
-    meta = {"exp_data": cfg.data.name, "overrides": list(overrides)}
+    meta = {"exp_data": cfg.paper.data.name, "overrides": list(overrides)}  # as tables group runs
     cfg, device, world = run_config(cfg, overrides)
     with run_folder_lock(Path(out_dir)):
         return _train(cfg, out_dir, meta, device, world)
