@@ -192,3 +192,28 @@ def test_norm_layer_builds_timm_vits_norms(name):
     assert kinds == {type(unnorm.build_norm(name, 16))} and len(
         [m for m in model.modules() if isinstance(m, unnorm.ChannelNorm)]) == 3
     assert model(torch.randn(2, 3, 16, 16)).shape == (2, 3)
+
+
+def test_options_left_unset_are_the_modules_defaults_where_docs_core_says_they_differ():
+    """swap_norms (any build_norm) gives an option left unset the module's default; the
+    'Options' paragraph of docs/core.md names every norm and option where that differs from
+    the training config (configs/norm/<name>.yaml), and names nothing else."""
+    from pathlib import Path
+
+    import yaml
+
+    from plugins.norms import norm_kwargs
+
+    root = Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "core.md").read_text().split("- **Options.**")[1].split("\n- **")[0]
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    unnorm.swap_norms(model, "un")
+    assert model[1].outlier_filtration is unnorm.default_options("un")["outlier_filtration"] is False
+    differing = {}
+    for name in unnorm.available_norms():
+        config = norm_kwargs(yaml.safe_load((root / "configs" / "norm" / f"{name}.yaml").read_text()))
+        defaults = unnorm.default_options(name)
+        differing[name] = sorted(key for key, value in config.items() if defaults[key] != value)
+    for name in unnorm.available_norms():
+        assert (f"`{name}` (" in docs) == bool(differing[name]), name
+        assert all(f"`{option}`" in docs for option in differing[name]), (name, differing[name])

@@ -21,8 +21,8 @@ from .gns import GNSRecorder, record_gns
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
-from .registry import (available_norms, build_norm, has_running_state, is_foldable, is_offline,
-                       norm_layer, option_names)
+from .registry import (available_norms, build_norm, default_options, has_running_state,
+                       is_foldable, is_offline, norm_layer, option_names)
 from .sample import LAYOUTS
 from .scalenorm import ScaleNorm
 from .sepnorm import SeparateClassNorm, separate_class_norms
@@ -45,7 +45,7 @@ def reset_steps(model) -> int:
 
 __all__ = [
     "available_norms", "build_norm", "is_offline", "is_foldable", "has_running_state", "norm_layer",
-    "option_names",
+    "option_names", "default_options",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
     "replace_module", "ChannelsFirst", "record_statistics", "record_gns", "reset_steps",

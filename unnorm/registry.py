@@ -99,6 +99,13 @@ def option_names(name: str) -> list[str]:
             and p not in _spec(name).fixed]
 
 
+def default_options(name: str) -> dict:
+    """What ``build_norm`` gives each option left unset: the module's defaults (a training
+    config, ``configs/norm/<name>.yaml``, may choose others; docs/core.md)."""
+    params = inspect.signature(_spec(name).cls.__init__).parameters
+    return {option: params[option].default for option in option_names(name)}
+
+
 def _check_options(name: str, options: dict) -> NormSpec:
     spec = _spec(name)
     valid = option_names(name)

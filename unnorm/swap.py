@@ -46,7 +46,9 @@ def swap_norms(model: nn.Module, name: str, *, include: Patterns = None,
 
     Carried over: the scale (Gemma's ``1 + w``), the bias (none: ``bias=False`` where ``name``
     takes it) and, for ``ln``/``rms``, eps (``options`` win); a norm without a per-channel
-    affine (``nonorm``, ``scalenorm``) keeps its own initialisation. Returns the number replaced.
+    affine (``nonorm``, ``scalenorm``) keeps its own initialisation. Options left unset are
+    the module's defaults (``default_options``), not the training configs': for un, mabn,
+    pn_ls and prepbn they differ (docs/core.md, "Options"). Returns the number replaced.
     """
     norm_layer(name, **options)  # an unknown name or option fails here, norms or not
     chosen = _choose(_norm_like(model), include, exclude)
