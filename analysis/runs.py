@@ -62,10 +62,11 @@ def load_runs(root: Path) -> list[dict]:
 
 def current_spelling(override: str) -> str:
     """``recipe.cpu.lr=1`` -> ``recipe.lr=1`` (``RETIRED_SCALE_PREFIXES``); others as given."""
-    plus = "+" * (len(override) - len(override.lstrip("+")))
+    key = override.lstrip("+")
+    plus = override[:len(override) - len(key)]
     for retired, current in RETIRED_SCALE_PREFIXES.items():
-        if override.lstrip("+").startswith(retired):
-            return plus + current + override.lstrip("+")[len(retired):]
+        if key.startswith(retired):
+            return plus + current + key[len(retired):]
     return override
 
 

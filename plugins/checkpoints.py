@@ -22,15 +22,14 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:  # the process group's facts: the one layer below (plugins.distributed)
-    from plugins.distributed import Distributed
+from plugins.distributed import Distributed, is_sharded  # the one layer below
 
 
 def _numpy_globals() -> list:
@@ -230,13 +229,6 @@ class Checkpointer:
 SHARDED_DIR = "sharded"  # beside last.pt: one DCP directory per kept checkpoint
 
 
-def _is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 unit (``fully_shard``; ``plugins.fsdp.is_sharded``)."""
-    from torch.distributed.fsdp import FSDPModule  # not at the top: fairseq's torch has none
-
-    return isinstance(module, FSDPModule)
-
-
 def load_model(model: nn.Module, path: Path) -> None:
     """Load a run's ``last.pt`` (either kind: one file, or a sharded checkpoint of any number
     of ranks) into ``model``, sharded or not. Every rank calls this."""
@@ -246,7 +238,7 @@ def load_model(model: nn.Module, path: Path) -> None:
     )
 
     state = read_checkpoint(Path(path), "load", unshard=False)
-    if not _is_sharded(model):
+    if not is_sharded(model):
         if state.get("sharded"):
             state = read_checkpoint(Path(path), "load")
         model.load_state_dict(state["model"])

@@ -76,6 +76,13 @@ class Distributed:
             dist.destroy_process_group()
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule  # not at the top: fairseq's torch has none
+
+    return isinstance(module, FSDPModule)
+
+
 def per_replica_buffers() -> dict:
     """The DDP keyword that leaves the norms' buffers per replica (the paper's statistics;
     ``sync_stats`` shares them, ``norm_sync`` makes them agree before evaluation and saves)."""

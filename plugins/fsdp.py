@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedScaler
 
 import unnorm
-from plugins.distributed import Distributed
+from plugins.distributed import Distributed, is_sharded
 from plugins.precision import autocast_dtype
 
 STRATEGIES = ("ddp", "fsdp")
@@ -77,11 +77,6 @@ def check_distributed(cfg: DictConfig, strategies: Iterable[str] = ("ddp",),
                          "gradients' norms and perturbs whole tensors, which are shards under "
                          "FSDP (not supported); use distributed=ddp, or sam=none")
     return chosen
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 unit (``fully_shard``)."""
-    return isinstance(module, FSDPModule)
 
 
 @torch.no_grad()

@@ -22,19 +22,18 @@ SUFFIX = run_folder_suffix()  # once: Hydra may resolve hydra.run.dir more than 
 OmegaConf.register_new_resolver("run_suffix", lambda: SUFFIX)
 
 
-HYDRA_OWN = {".hydra", "train.log"}  # what Hydra writes into a run folder before the job
-
-
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Train one run; a launch refused before its run wrote anything leaves no folder (Hydra
     makes one for every launch, a resume's too)."""
-    launched = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    launched = Path(hydra_cfg.runtime.output_dir)
+    hydra_own = {".hydra", f"{hydra_cfg.job.name}.log"}  # what Hydra writes before the job
     try:
         return run(cfg)
     except BaseException:
         try:
-            if {path.name for path in launched.iterdir()} <= HYDRA_OWN:
+            if {path.name for path in launched.iterdir()} <= hydra_own:
                 shutil.rmtree(launched)
         except OSError:  # another replica of the launch removed it first
             pass
