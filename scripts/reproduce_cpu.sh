@@ -150,11 +150,10 @@ literature_runs() {  # the literature's other norms (issue 33)
         # README's BCNorm(..., estimate=True)), with WS
         bcn_wsres) exp="+exp=$model norm=bcn ws=residual" ;;
         bcn_est_wsres) exp="+exp=$model norm=bcn norm.estimate=true ws=residual" ;;
-        # the control, seed 0: WS on the layers after the norms (ws=transformer: qkv, fc1),
-        # whose outputs grow by sqrt(fan-in) into the softmax and the activation
-        bcn_ws) [[ $seed == 0 ]] || continue; exp="+exp=$model norm=bcn ws=transformer" ;;
-        bcn_est_ws) [[ $seed == 0 ]] || continue
-          exp="+exp=$model norm=bcn norm.estimate=true ws=transformer" ;;
+        # the control: WS on the layers after the norms (ws=transformer: qkv, fc1), whose
+        # outputs grow by sqrt(fan-in) into the softmax and the activation
+        bcn_ws) exp="+exp=$model norm=bcn ws=transformer" ;;
+        bcn_est_ws) exp="+exp=$model norm=bcn norm.estimate=true ws=transformer" ;;
         *) exp="+exp=$model norm=$norm" ;;
       esac
       echo "micro_batch/${model}_$norm-mb$size-s$seed $exp${micro:+ $micro} seed=$seed"
