@@ -32,10 +32,28 @@ The other markers::
         the number of comparisons in the table whose title starts with the text
     <!-- unchecked: <why> -->(p = 0.098, ...)
         a p the records cannot check (withdrawn runs), said so
+    <!-- from: Learning-rate sensitivity: t2t_vit_14 -->(+0.8 [-4.7, +5.3])
+        every number in the parenthesis appears in that table (a bootstrap interval, a mean)
+    <!-- records: micro_batch -->150 runs
+        the number of records in ``results/runs/cpu/<group>`` (``all``: in every group)
+    <!-- seeds: main -->five seeds
+        every setting of the group's records (its model, setting and learning rate) has that
+        many runs; ``<!-- seeds: lm; recipe -->``: its settings with no override;
+        ``<!-- seeds: swin_t:UN -->`` counts one setting's runs
+
+A claim's parenthesis may say whether it survives Holm's correction ("survives Holm", "not
+after Holm"); the claim then names the table whose comparisons Holm's correction runs over
+(``; holm=Table 2``) and the check reads the table's ``**``. In a sentence that holds a
+claim, Holm's verdict is said only inside a claim's parenthesis, where it is checked.
 
 Every ``p =`` or ``p <`` of a checked page must sit in the parenthesis of a ``claim``, ``gap``
 or ``unchecked`` marker (``unmarked_p_values``; ``p < 0.05``, the threshold, defines a mark
-and claims nothing). The tests are the tables' own: ``Cell.values`` picks the runs,
+and claims nothing); so must every parenthesis that opens with a signed difference or holds
+``n = a vs b`` (``unmarked_comparisons``), and every count of tests, runs or measured time
+sits right after the marker that checks it (``unmarked_counts``; times live in the generated
+docs/times.md). A claim may not rest on a record made under a superseded rule
+(``analysis.runs.superseded_warmup``). Generated blocks (``analysis.pages``) and the
+headline table are the records' own output and are not prose. The tests are the tables' own: ``Cell.values`` picks the runs,
 ``Comparisons`` computes the difference and Welch's p. Reads run records only.
 """
 from __future__ import annotations
@@ -43,12 +61,16 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
-from analysis.runs import STABILITY_KEY, TASK_METRIC, ladder, override_value, setting, where
+from analysis.runs import (STABILITY_KEY, TASK_METRIC, changes, ladder, override_value,
+                           setting, superseded_warmup, where)
 from analysis.significance import Cell, Comparisons
+from analysis.tables import table_markdown
 
-MARKER = re.compile(r"<!--\s*(claim|runs|tests|gap|unchecked):\s*(.*?)\s*-->", re.S)
+MARKER = re.compile(r"<!--\s*(claim|runs|tests|gap|unchecked|from|records|seeds):\s*(.*?)\s*-->",
+                    re.S)
 UNSIGNED = r"\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 NUMBER = rf"[-+−]?{UNSIGNED}"
 P_VALUE = re.compile(rf"\bp\s*(=|<)\s*({NUMBER})")
@@ -155,10 +177,7 @@ def status_count(runs, spec: str, status: str) -> tuple[int, int]:
 
 def table_test_count(tables: list, title: str) -> int:
     """The number of comparisons in the table whose title starts with ``title`` (its note)."""
-    found = [t for t in tables if t.title.startswith(title)]
-    if len(found) != 1:
-        raise ValueError(f"{len(found)} tables titled {title!r}...")
-    match = re.search(r"(\d+) comparisons? in this table", " ".join(found[0].notes))
+    match = re.search(r"(\d+) comparisons? in this table", " ".join(_table(tables, title).notes))
     return int(match.group(1)) if match else 0
 
 
@@ -232,14 +251,95 @@ def check_comparison(numbers: str, result: Comparison) -> list[str]:
     return problems
 
 
-def options(body: str) -> tuple[str, Optional[str], bool]:
-    """A marker's body split into its groups and its options (``metric=``, ``all``)."""
+def options(body: str) -> tuple[str, Optional[str], bool, Optional[str]]:
+    """A marker's body split into its groups and its options (``metric=``, ``all``,
+    ``holm=``)."""
     head, *rest = [part.strip() for part in body.split(";")]
     metric = next((o.split("=", 1)[1] for o in rest if o.startswith("metric=")), None)
-    unknown = [o for o in rest if not o.startswith("metric=") and o != "all"]
+    holm = next((o.split("=", 1)[1].strip() for o in rest if o.startswith("holm=")), None)
+    unknown = [o for o in rest if not o.startswith(("metric=", "holm=")) and o != "all"]
     if unknown:
         raise ValueError(f"unknown option {unknown}")
-    return head, metric, "all" in rest
+    return head, metric, "all" in rest, holm
+
+
+HOLM = re.compile(r"\bHolm\b")
+SURVIVES = re.compile(r"\b(surviv\w*|pass\w*)\s+Holm", re.I)
+DOES_NOT = re.compile(r"\b(not|neither|none|before|no longer)\b[^()]{0,20}\bHolm", re.I)
+TESTED_CELL = re.compile(rf"({NUMBER}) \(p=({UNSIGNED})\)(\*{{0,2}})")
+
+
+def holm_mark(tables: list, title: str, result: Comparison) -> str:
+    """The table's mark of ``result``: ``**`` (survives Holm's correction over the table),
+    ``*`` or ``""``; found by its difference and p as the table prints them."""
+    table = _table(tables, title)
+    marks = {match.group(3) for row in table.rows for cell in row
+             for match in TESTED_CELL.finditer(cell)
+             if result.p is not None and match.group(2) == f"{result.p:.2g}"
+             and same_at_printed_precision(match.group(1), result.difference)}
+    if len(marks) != 1:
+        raise ValueError(f"the comparison is {'not' if not marks else 'ambiguous'} in {title!r}")
+    return marks.pop()
+
+
+def check_holm(numbers: str, holm: Optional[str], tables: Optional[list],
+               result: Comparison) -> list[str]:
+    """What the parenthesis says of Holm's correction against the table's ``**``."""
+    if not HOLM.search(numbers):
+        return []
+    if holm is None:
+        return ["says Holm: name the table it is corrected over (; holm=<table title>)"]
+    if tables is None:
+        raise ValueError("no tables given")
+    survives = holm_mark(tables, holm, result) == "**"
+    if DOES_NOT.search(numbers):
+        return [f"'not after Holm', but {holm!r} marks it **"] if survives else []
+    if SURVIVES.search(numbers):
+        return [] if survives else [f"'survives Holm', but {holm!r} does not mark it **"]
+    return ["says Holm without 'survives Holm' or 'not after Holm'"]
+
+
+def _table(tables: list, title: str):
+    found = [t for t in tables if t.title.startswith(title)]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} tables titled {title!r}...")
+    return found[0]
+
+
+COUNT_WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
+               "nine": 9, "ten": 10}
+
+
+def _count(text: str) -> Optional[int]:
+    match = re.match(rf"\s*(\d+|{'|'.join(COUNT_WORDS)})\b", text, re.I)
+    if not match:
+        return None
+    word = match.group(1).lower()
+    return COUNT_WORDS[word] if word in COUNT_WORDS else int(word)
+
+
+def record_group(run: dict) -> str:
+    """The records' folder a run is in: ``results/runs/cpu/<group>/<run>``."""
+    return Path(run["_path"]).parent.name
+
+
+def seed_counts(runs: list[dict], spec: str) -> dict[str, int]:
+    """Runs per setting (model, setting, learning-rate multiple) of a records folder, or of
+    one ``<model>:<setting>`` group."""
+    spec, _, option = (part.strip() for part in spec.partition(";"))
+    if option not in ("", "recipe"):
+        raise ValueError(f"unknown option {option!r} (recipe: the settings with no override)")
+    if ":" in spec:
+        return {spec: len(group_runs(runs, spec).runs)}
+    counts: dict[str, int] = {}
+    for run in runs:
+        if record_group(run) == spec and not (option and (changes(run) or " " in setting(run))):
+            multiple = override_value(run, STABILITY_KEY)
+            key = f"{where(run)[1]}:{setting(run)}" + (f"@{multiple}x" if multiple else "")
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        raise ValueError(f"no records in a group {spec!r}")
+    return counts
 
 
 def check(text: str, runs, tables: Optional[list] = None) -> list[str]:
@@ -247,18 +347,27 @@ def check(text: str, runs, tables: Optional[list] = None) -> list[str]:
     ``Groups`` of them; ``tables``: ``build_tables``' output, for ``tests`` markers): one line
     per disagreement."""
     problems, runs = [], runs if isinstance(runs, Groups) else Groups(runs)
+    text = prose(text)
     for marker in markers(text):
         where_ = f"line {marker.line} ({marker.kind}: {marker.body})"
         try:
             if marker.kind in ("claim", "gap"):
-                head, metric, every_run = options(marker.body)
+                head, metric, every_run, holm = options(marker.body)
                 if marker.kind == "claim":
-                    result = compare(runs, *head.split(" vs "), metric, every_run)
+                    sides = head.split(" vs ")
+                    result = compare(runs, *sides, metric, every_run)
                 else:
                     left, right = head.split(" against ")
-                    result = compare_gaps(runs, *left.split(" vs "), *right.split(" vs "), metric)
+                    sides = left.split(" vs ") + right.split(" vs ")
+                    result = compare_gaps(runs, *sides, metric)
+                stale = [spec for spec in sides
+                         if any(superseded_warmup(r) for r in _cell(runs, spec).runs)]
+                if stale:
+                    problems.append(f"{where_}: rests on records made under a superseded rule "
+                                    f"({', '.join(stale)}): cite the current ones")
                 numbers = printed_numbers(marker.after)
                 problems += [f"{where_}: {p}" for p in check_comparison(numbers, result)]
+                problems += [f"{where_}: {p}" for p in check_holm(numbers, holm, tables, result)]
             elif marker.kind == "runs":
                 spec, status = marker.body.rsplit(" ", 1)
                 k, n = status_count(runs, spec, status)
@@ -271,33 +380,65 @@ def check(text: str, runs, tables: Optional[list] = None) -> list[str]:
             elif marker.kind == "unchecked":
                 if not marker.body:
                     problems.append(f"{where_}: an unchecked p says why")
+            elif marker.kind in ("tests", "from") and tables is None:
+                raise ValueError("no tables given")
             elif marker.kind == "tests":
-                if tables is None:
-                    raise ValueError("no tables given")
-                count = table_test_count(tables, marker.body)
-                printed = re.match(r"\s*(\d+)", marker.after)
-                if not printed:
+                count, printed = table_test_count(tables, marker.body), _count(marker.after)
+                if printed is None:
                     problems.append(f"{where_}: no count right after it")
-                elif int(printed.group(1)) != count:
-                    problems.append(f"{where_}: {printed.group(1)}, the table has {count}")
+                elif printed != count:
+                    problems.append(f"{where_}: {printed}, the table has {count}")
+            elif marker.kind == "from":
+                table = "\n".join(table_markdown(_table(tables, marker.body), "")).replace("−", "-")
+                for number in re.findall(NUMBER, printed_numbers(marker.after)):
+                    if not re.search(rf"(?<![\d.]){re.escape(number.replace('−', '-'))}(?![\d])", table):
+                        problems.append(f"{where_}: {number} is not in the table")
+            elif marker.kind in ("records", "seeds"):
+                printed = _count(marker.after)
+                if marker.kind == "records":
+                    counts = {marker.body: sum(marker.body in ("all", record_group(r))
+                                               for r in runs.runs)}
+                else:
+                    counts = seed_counts(runs.runs, marker.body)
+                if printed is None:
+                    problems.append(f"{where_}: no count right after it")
+                else:
+                    other = {k: n for k, n in counts.items() if n != printed}
+                    if other:
+                        shown = ", ".join(f"{k}: {n}" for k, n in sorted(other.items())[:4])
+                        problems.append(f"{where_}: {printed}, records {shown}"
+                                        + (f" and {len(other) - 4} more" if len(other) > 4 else ""))
         except ValueError as error:
             problems.append(f"{where_}: {error}")
     return problems
 
 
 THRESHOLD = 0.05  # "p < 0.05" defines a mark; it claims nothing
+GENERATED = re.compile(r"<!-- generated: .*?<!-- end generated -->", re.S)
+HEADLINE = re.compile(r"^On this project's [^\n]*$|^\| testbed \(data that ran\) \|.*?^!\[[^\n]*$",
+                      re.S | re.M)
 
 
-def unmarked_p_values(text: str, unchecked_sections: Optional[str] = None) -> list[str]:
-    """Every ``p =``/``p <`` of the page outside the parenthesis a ``claim``, ``gap`` or
-    ``unchecked`` marker covers, by line; sections whose heading matches the regular
-    expression ``unchecked_sections`` (case-insensitive) left out."""
-    covered = []
+def prose(text: str) -> str:
+    """The page's own words: generated blocks and the headline blanked, lines kept."""
+    def blank(match: re.Match) -> str:
+        return "\n" * match.group(0).count("\n")
+    return HEADLINE.sub(blank, GENERATED.sub(blank, text))
+
+
+def _covered(text: str) -> list[tuple[int, int]]:
+    """The spans of the parentheses a ``claim``, ``gap``, ``unchecked`` or ``from`` marker
+    checks or excuses."""
+    spans = []
     for match in MARKER.finditer(text):
-        if match.group(1) in ("claim", "gap", "unchecked"):
+        if match.group(1) in ("claim", "gap", "unchecked", "from"):
             paren = PARENTHESIS.search(text, match.end())
             if paren:
-                covered.append((paren.start(), paren.end()))
+                spans.append((paren.start(), paren.end()))
+    return spans
+
+
+def _skipped(text: str, unchecked_sections: Optional[str]) -> list[tuple[int, int]]:
     skipped = []
     for match in re.finditer(r"^#{1,6} (.*)$", text, re.M):
         heading = match.group(1)
@@ -306,13 +447,81 @@ def unmarked_p_values(text: str, unchecked_sections: Optional[str] = None) -> li
             end = re.compile(r"^#{1,%d} " % level, re.M)
             following = end.search(text, match.end())
             skipped.append((match.start(), following.start() if following else len(text)))
+    return skipped
+
+
+def _line(text: str, spot: int) -> int:
+    return text.count("\n", 0, spot) + 1
+
+
+def unmarked_p_values(text: str, unchecked_sections: Optional[str] = None) -> list[str]:
+    """Every ``p =``/``p <`` of the page's prose outside the parenthesis a ``claim``, ``gap``
+    or ``unchecked`` marker covers, by line; sections whose heading matches the regular
+    expression ``unchecked_sections`` (case-insensitive) left out."""
+    text = prose(text)
+    spans = _covered(text) + _skipped(text, unchecked_sections)
     out = []
     for match in P_VALUE.finditer(text):
         spot = match.start()
-        if any(a <= spot < b for a, b in covered + skipped):
+        if any(a <= spot < b for a, b in spans):
             continue
         if match.group(1) == "<" and _number(match.group(2)) == THRESHOLD:
             continue
-        line = text.count("\n", 0, spot) + 1
-        out.append(f"line {line}: {' '.join(match.group(0).split())}")
+        out.append(f"line {_line(text, spot)}: {' '.join(match.group(0).split())}")
+    return out
+
+
+def unmarked_comparisons(text: str) -> list[str]:
+    """Parentheses of the prose that read as a comparison (they open with a signed difference
+    or hold ``n = a vs b``) with no marker that checks them."""
+    text = prose(text)
+    spans = _covered(text)
+    out = []
+    for paren in PARENTHESIS.finditer(text):
+        if (DIFFERENCE.match(paren.group(1)) or N_PAIR.search(paren.group(1))) and not any(
+                a <= paren.start() < b for a, b in spans):
+            out.append(f"line {_line(text, paren.start())}: {' '.join(paren.group(0).split())[:60]}")
+    return out
+
+
+COUNTED = re.compile(rf"\b(\d+|{'|'.join(COUNT_WORDS)})\s+(?:new\s+|more\s+)?"
+                     r"(tests|comparisons|runs|records)\b", re.I)
+DURATION = re.compile(r"\b\d+(?:\.\d+)?\s*(?:h|hours?|min|minutes|core-hours)\b|"
+                      r"\b(?:an?|one|two|three)\s+hours?\b", re.I)
+MARKER_BEFORE = re.compile(r"<!--\s*(tests|records|runs):[^>]*-->\s*(\d+\s*(?:of|/)\s*)?$")
+
+
+def unmarked_counts(text: str) -> list[str]:
+    """Counts of tests, comparisons, runs or records in the prose without the ``tests`` or
+    ``records`` marker that checks them, and any measured time (docs/times.md holds them)."""
+    text = prose(text)
+    out = []
+    for match in COUNTED.finditer(text):
+        if not MARKER_BEFORE.search(text[max(0, match.start() - 300):match.start()]):
+            out.append(f"line {_line(text, match.start())}: '{' '.join(match.group(0).split())}'"
+                       " without its marker")
+    for match in DURATION.finditer(text):
+        out.append(f"line {_line(text, match.start())}: '{match.group(0)}': a measured time "
+                   "belongs in docs/times.md")
+    return out
+
+
+SENTENCE_END = re.compile(r"(?<=[.;!?])\s+(?=[A-Z(*`<-])|\n\s*\n|\n\s*- ")
+
+
+def holm_outside_claims(text: str) -> list[str]:
+    """Sentences that hold a claim and speak of Holm's correction outside every claim's
+    parenthesis, where the check cannot reach."""
+    text = prose(text)
+    spans = [span for span in _covered(text)] + [m.span() for m in MARKER.finditer(text)]
+    starts = [0] + [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]
+    out = []
+    for start, end in zip(starts, starts[1:]):
+        if not any(m.group(1) == "claim" for m in MARKER.finditer(text, start, end)):
+            continue
+        for holm in HOLM.finditer(text, start, end):
+            if not any(a <= holm.start() < b for a, b in spans):
+                out.append(f"line {_line(text, holm.start())}: Holm's verdict outside a claim's "
+                           "parenthesis")
+                break
     return out

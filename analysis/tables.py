@@ -690,12 +690,17 @@ def to_markdown(tables: list[Table], run_count: int) -> str:
     if any("‡" in cell for table in tables for row in table.rows for cell in row):
         out += [SUPERSEDED_NOTE, ""]
     for table in tables:
-        out += [f"## {table.title}", "", "| " + " | ".join(table.header) + " |",
-                "|" + "---|" * len(table.header)]
-        out += ["| " + " | ".join(row) + " |" for row in table.rows]
-        notes = [note for note in table.notes if note]
-        out += [""] + notes + ([""] if notes else [])
+        out += table_markdown(table, "##")
     return "\n".join(out)
+
+
+def table_markdown(table: Table, heading: str) -> list[str]:
+    """One table's lines: its title under ``heading``, the table, its notes."""
+    out = [f"{heading} {table.title}", "", "| " + " | ".join(table.header) + " |",
+           "|" + "---|" * len(table.header)]
+    out += ["| " + " | ".join(row) + " |" for row in table.rows]
+    notes = [note for note in table.notes if note]
+    return out + [""] + notes + ([""] if notes else [])
 
 
 def _tex(text: str) -> str:

@@ -4,7 +4,10 @@
     python scripts/make_tables.py --runs results/runs multirun/<time> --out my_tables   # yours beside ours
 
 Reads every ``result.json`` under each ``--runs`` folder and the paper's numbers in
-``results/paper/tables.yaml``; writes ``tables.md`` and ``tables.tex``. A cell of ours is the
+``results/paper/tables.yaml``; writes ``tables.md``, ``tables.tex`` and the headline (UN
+against LN per testbed: ``headline.md``, its forest plot ``headline.png``). From the
+committed runs it also rewrites the tables the results pages and the README quote
+(``analysis.pages``). A cell of ours is the
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
 better than chance show as ``chance k/n``, collapsed ones as FAIL with their step; each cell
 is tested against its baseline (LN; UN as configured for sweeps and ablations) by Welch's
@@ -23,6 +26,7 @@ sys.path.insert(0, str(ROOT))  # analysis/ from a plain checkout
 COMMITTED_RUNS = ROOT / "results" / "runs"
 COMMITTED_TABLES = ROOT / "results" / "tables"
 
+from analysis import headline, pages  # noqa: E402
 from analysis.runs import load_runs  # noqa: E402
 from analysis.tables import build_tables, to_latex, to_markdown  # noqa: E402
 
@@ -46,11 +50,23 @@ def main() -> None:
         sys.exit(f"{COMMITTED_TABLES} holds the tables of the committed runs ({COMMITTED_RUNS}) "
                  "alone; give these runs' tables a folder of their own: --out <folder>")
     runs = [run for folder in args.runs for run in load_runs(folder)]
-    tables = build_tables(yaml.safe_load(args.paper.read_text()), runs, args.benchmarks)
+    paper = yaml.safe_load(args.paper.read_text())
+    tables = build_tables(paper, runs, args.benchmarks)
+    rows = headline.headline_rows(runs, paper)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tables.md").write_text(to_markdown(tables, len(runs)))
     (args.out / "tables.tex").write_text(to_latex(tables))
-    print(f"{len(runs)} runs -> {args.out / 'tables.md'}, {args.out / 'tables.tex'}")
+    print(f"{len(runs)} runs -> {args.out}: tables.md, tables.tex")
+    if rows:
+        (args.out / "headline.md").write_text(headline.page(rows))
+        headline.forest(rows, args.out / headline.FIGURE)
+        print(f"UN against LN on {len(rows)} testbeds -> headline.md, {headline.FIGURE}")
+    else:
+        print("no headline: no testbed has two learned runs of both LN and UN")
+    if args.out.resolve() == COMMITTED_TABLES:  # the pages that quote them
+        for page, text in pages.regenerated(ROOT, tables, rows).items():
+            page.write_text(text)
+            print(f"updated {page.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

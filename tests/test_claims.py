@@ -1,7 +1,9 @@
-"""The numbers in README.md's and results/README.md's prose agree with the committed run
-records: every comparison carries a marker naming its two groups of runs, and its printed
-difference, n and Welch p are recomputed from results/runs with the tables' own code
-(``analysis.claims``: the convention is in its docstring). Reads records only."""
+"""The numbers in the results pages' prose (results/*.md) agree with the committed run records:
+every comparison carries a marker naming its two groups of runs, and its printed difference,
+n, Welch p and Holm verdict are recomputed from results/runs with the tables' own code; counts
+of tests, runs and seeds are checked too, and measured times stay out of the prose
+(``analysis.claims``: the convention is in its docstring). The README carries no marker: its
+numbers are the generated headline (tests/test_pages.py). Reads records only."""
 from __future__ import annotations
 
 import re
@@ -15,15 +17,19 @@ from analysis.runs import load_runs
 from analysis.tables import build_tables
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "results" / "README.md"]
+PAGES = sorted((ROOT / "results").glob("*.md"))
 #: sections another change owns and marks itself: their markers are checked, their unmarked
-#: p values not yet (training through the norms: SAM, SAM-ON, norm-only training)
+#: p values not yet
 UNCHECKED_SECTIONS = None
 
 
 @pytest.fixture(scope="module")
 def records():
     return load_runs(ROOT / "results" / "runs")
+
+
+def page_ids(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +44,32 @@ def tables(records):
     return build_tables(paper, records, ROOT / "results" / "benchmarks")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES, ids=page_ids)
 def test_every_marked_claim_matches_the_records(page, runs, tables):
-    text = page.read_text()
-    assert claims.markers(text), f"{page.name} marks no claim"
-    problems = claims.check(text, runs, tables)
+    problems = claims.check(page.read_text(), runs, tables)
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + [ROOT / "README.md"], ids=page_ids)
 def test_every_p_value_in_the_prose_is_marked(page):
     unmarked = claims.unmarked_p_values(page.read_text(), UNCHECKED_SECTIONS)
     assert not unmarked, f"{page.name}: p values without a claim marker:\n" + "\n".join(unmarked)
+
+
+@pytest.mark.parametrize("page", PAGES + [ROOT / "README.md"], ids=page_ids)
+def test_every_comparison_count_and_holm_verdict_is_where_the_check_reaches(page):
+    """A parenthesis that reads as a comparison has its marker; a count of tests or runs sits
+    after the marker that checks it; no measured time in the prose; Holm's verdict on a claim
+    inside its parenthesis."""
+    text = page.read_text()
+    problems = (claims.unmarked_comparisons(text) + claims.unmarked_counts(text)
+                + claims.holm_outside_claims(text))
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+def test_the_readme_has_no_marker():
+    """The README's numbers are the generated headline; it carries no HTML marker."""
+    assert "<!--" not in (ROOT / "README.md").read_text()
 
 
 def test_the_pages_mark_their_claims_one_by_one():
@@ -62,7 +82,7 @@ def test_the_pages_mark_their_claims_one_by_one():
 def altered(text: str, marker_kind: str, change) -> str:
     """``text`` with ``change`` applied to the numbers after its first marker of a kind."""
     match = next(m for m in claims.MARKER.finditer(text) if m.group(1) == marker_kind)
-    if marker_kind in ("claim", "gap"):
+    if marker_kind in ("claim", "gap", "from"):
         paren = claims.PARENTHESIS.search(text, match.end())
         return text[:paren.start()] + change(paren.group(0)) + text[paren.end():]
     head = text[match.end():match.end() + 12]
@@ -73,10 +93,13 @@ def bump_last_digit(number: str) -> str:
     return number[:-1] + str((int(number[-1]) + 1) % 10)
 
 
-@pytest.mark.parametrize("fault", ["difference", "p", "n", "runs", "tests"])
+@pytest.mark.parametrize("fault", ["difference", "p", "n", "runs", "tests", "records", "seeds",
+                                   "from"])
 def test_a_changed_digit_in_the_prose_fails(fault, runs, tables):
     """One digit off in a difference, p, n or count, and the check names the line."""
-    text = (ROOT / "results" / "README.md").read_text()
+    page = {"records": "README.md", "seeds": "README.md", "from": "language_modelling.md",
+            "runs": "micro_batch.md"}
+    text = (ROOT / "results" / page.get(fault, "classification.md")).read_text()
     assert not claims.check(text, runs, tables)
     if fault == "difference":
         bad = altered(text, "claim", lambda s: re.sub(
@@ -87,9 +110,13 @@ def test_a_changed_digit_in_the_prose_fails(fault, runs, tables):
     elif fault == "n":
         bad = altered(text, "claim", lambda s: re.sub(
             r"n\s*=\s*(\d+)", lambda m: f"n = {int(m.group(1)) + 1}", s))
+    elif fault == "from":
+        bad = altered(text, fault, lambda s: re.sub(
+            r"\d\]", lambda m: str((int(m.group(0)[0]) + 1) % 10) + "]", s, count=1))
     else:
         bad = altered(text, fault, lambda s: re.sub(
-            r"\d+", lambda m: str(int(m.group(0)) + 1), s, count=1))
+            r"\d+|five", lambda m: "six" if m.group(0) == "five" else str(int(m.group(0)) + 1),
+            s, count=1))
     assert bad != text
     problems = claims.check(bad, runs, tables)
     assert len(problems) == 1 and problems[0].startswith("line "), problems
@@ -122,3 +149,49 @@ def test_no_line_starts_with_a_marker(page):
     starts = [number for number, line in enumerate(page.read_text().splitlines(), start=1)
               if re.match(r"\s*<!--(\s*(claim|runs|tests|gap|unchecked):|\s*$)", line)]
     assert not starts, f"{page.name}: lines {starts} start with a claim marker"
+
+
+def test_holm_wording_is_checked_against_the_table(runs, tables):
+    """A claim's Holm verdict is read from the table's ``**``: flipped, it fails; said without
+    its table, or outside the parenthesis, it is refused."""
+    surviving = ("BN 82.6 <!-- claim: t2t_vit_14:BN vs t2t_vit_14:LN; holm=Table 2 -->(+11.1, "
+                 "n = 5 vs 5, p = 0.002, survives Holm)")
+    assert claims.check(surviving, runs, tables) == []
+    flipped = surviving.replace("survives Holm", "not after Holm")
+    assert claims.check(flipped, runs, tables) == [
+        "line 1 (claim: t2t_vit_14:BN vs t2t_vit_14:LN; holm=Table 2): 'not after Holm', but "
+        "'Table 2' marks it **"]
+    not_surviving = ("PRepBN <!-- claim: t2t_vit_14:PRepBN vs t2t_vit_14:LN; holm=Table 2 -->"
+                     "(+9.9, n = 5 vs 5, p = 0.004, survives Holm)")
+    assert "does not mark it **" in claims.check(not_surviving, runs, tables)[0]
+    unnamed = surviving.replace("; holm=Table 2", "")
+    assert "name the table" in claims.check(unnamed, runs, tables)[0]
+    outside = ("BN beats LN <!-- claim: t2t_vit_14:BN vs t2t_vit_14:LN -->(+11.1, n = 5 vs 5, "
+               "p = 0.002), none after Holm's correction.")
+    assert claims.holm_outside_claims(outside) == [
+        "line 1: Holm's verdict outside a claim's parenthesis"]
+    assert claims.holm_outside_claims("`**` marks survival of Holm's correction.") == []
+
+
+def test_a_claim_on_superseded_records_fails(records, tables):
+    """Records made under the earlier warm-up rule cannot back a current claim."""
+    stale = load_runs(ROOT / "results" / "superseded" / "warmup_before_floor" / "main")
+    text = ("UN <!-- claim: swin_t:UN vs swin_t:LN -->(-3.2, n = 5 vs 5, p = 0.025)")
+    assert claims.check(text, records, tables) == []
+    problems = claims.check(text, records + stale, tables)
+    assert any("superseded rule (swin_t:UN)" in p for p in problems), problems
+
+
+def test_unmarked_comparisons_counts_and_times_are_found():
+    assert claims.unmarked_comparisons("UN trails (-3.2, n = 5 vs 5) and BN (n = 3 vs 5).") == [
+        "line 1: (-3.2, n = 5 vs 5)", "line 1: (n = 3 vs 5)"]
+    assert claims.unmarked_comparisons("a bootstrap interval (+0.8 [-4.7, +5.3])") == [
+        "line 1: (+0.8 [-4.7, +5.3])"]
+    assert claims.unmarked_comparisons("<!-- from: T -->(+0.8 [-4.7, +5.3])") == []
+    assert claims.unmarked_counts("the grid's 503 runs and 24 tests") == [
+        "line 1: '503 runs' without its marker", "line 1: '24 tests' without its marker"]
+    assert claims.unmarked_counts("<!-- records: main -->100 runs; <!-- tests: T -->24 tests; "
+                                  "<!-- runs: swin_t:BN chance -->2 of 3 runs") == []
+    assert claims.unmarked_counts("it took 41 min, and the rest about 3 h") == [
+        "line 1: '41 min': a measured time belongs in docs/times.md",
+        "line 1: '3 h': a measured time belongs in docs/times.md"]
