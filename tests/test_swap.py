@@ -22,7 +22,12 @@ def _logits(model):
 
 
 def _images(model):
-    return model(IMAGES)
+    return model(_pixels(model))
+
+
+def _pixels(model):
+    """IMAGES in the model's dtype: the fold's probe runs it on float64 copies."""
+    return IMAGES.to(next(model.parameters()).dtype)
 
 
 # name: (build the model, run it to (..., classes), its norm classes, the like-for-like norm)
@@ -37,7 +42,7 @@ MODELS = {
     "hf_vit": (lambda: hf.ViTForImageClassification(hf.ViTConfig(
         image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=32, num_labels=3)),
-               lambda model: model(IMAGES).logits, {"LayerNorm"}, "ln"),
+               lambda model: model(_pixels(model)).logits, {"LayerNorm"}, "ln"),
     "llama": (lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**TEXT)), _logits,
               {"LlamaRMSNorm"}, "rms"),
     "qwen2": (lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**TEXT)), _logits,
@@ -136,7 +141,7 @@ def _assert_folding_keeps_the_eval_output(model, run):
     """Every swapped norm becomes its inference affine: the model's eval output stays."""
     before = run(model)
     plan = {n: [] for n, m in model.named_modules() if isinstance(m, unnorm.ChannelNorm)}
-    assert unnorm.fold_norms(model, plan) == len(plan) > 0
+    assert unnorm.fold_norms(model, plan, probe=run) == len(plan) > 0
     torch.testing.assert_close(run(model), before, rtol=1e-4, atol=1e-5)
 
 

@@ -398,7 +398,7 @@ def test_folded_swin_with_padded_windows_matches_the_original(norm):
     x = torch.randn(3, 3, 48, 48, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-        done = fold_model(model)
+        done = fold_model(model, probe=x)
         after = model(x)
     assert done == {"folded": len(plan) - 3, "affine": 3, "kept": 0}  # patch_embed + the two padded blocks
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
@@ -413,7 +413,7 @@ def test_folded_t2t_vit_matches_the_original():
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-        assert fold_model(model) == {"folded": 13, "affine": 0, "kept": 0}
+        assert fold_model(model, probe=x) == {"folded": 13, "affine": 0, "kept": 0}
         after = model(x)
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
     assert ((after - before).abs().max() / before.abs().max()) < 1e-4

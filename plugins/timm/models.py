@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 import timm
+import torch
 from omegaconf import OmegaConf
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import nn
@@ -174,7 +175,8 @@ def separated_plan(model: nn.Module, plan: dict[str, list[str]]) -> dict[str, li
     return separated
 
 
-def fold_model(model: nn.Module) -> dict[str, int]:
+def fold_model(model: nn.Module, *, probe: Optional[torch.Tensor]) -> dict[str, int]:
     """Fold every offline norm (and DyT's affine) of an eval-mode classifier in place
-    (``unnorm.fold_by_plan`` with the classifier's plan)."""
-    return unnorm.fold_by_plan(model, fold_plan(model))
+    (``unnorm.fold_by_plan`` with the classifier's plan, proved on ``probe``, a batch of images;
+    None: unchecked)."""
+    return unnorm.fold_by_plan(model, fold_plan(model), probe=probe)
