@@ -11,7 +11,7 @@ from torch import nn
 
 import unnorm
 from plugins.model_options import separate_class_token, standardize_layers
-from plugins.norms import norm_kwargs
+from plugins.norms import groups_by_heads, norm_kwargs
 
 from .t2t_vit import T2TViT
 
@@ -27,11 +27,6 @@ def create_classifier(timm_name: str, norm_cfg: Mapping, num_classes: int, img_s
     if groups_by_heads(norm_cfg):
         regroup(model, norm_cfg, block_heads(model))
     return model
-
-
-def groups_by_heads(norm_cfg: Mapping) -> bool:
-    """PN with layer-scale whose ``group_num`` is left to the model (null)."""
-    return norm_cfg["name"] == "pn_ls" and norm_kwargs(norm_cfg).get("group_num") is None
 
 
 def host_norm_layer(norm_cfg: Mapping):
