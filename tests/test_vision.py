@@ -342,6 +342,12 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path):
                           f"hydra.run.dir={launched}")
         assert proc.returncode != 0 and message in proc.stderr
         assert not launched.exists()
+    for mistyped in (["+exp=swin_t_uun"], ["-m", "+exp=swin_t_un,swin_t_uun"]):  # one run, a sweep
+        proc = run_script("scripts/train.py", *mistyped, "scale=cpu", f"hydra.run.dir={launched}")
+        assert proc.returncode != 0 and not launched.exists()
+        assert proc.stderr.splitlines() == [
+            "+exp=swin_t_uun is no experiment. Closest: swin_t_un, swin_t_pn, swin_t_ln, swin_t_bn, "
+            "swin_t_bcn"]  # difflib's closest, not Hydra's list of every experiment
 
 
 def test_finetuning_resets_norm_steps_and_scales_the_backbone_lr(tmp_path):
