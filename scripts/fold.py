@@ -10,14 +10,17 @@ head; a detector's FPN laterals) or, where none does directly, a frozen per-chan
 norms (``model.class_norm``) each become a frozen affine; weight-standardised layers
 (``model.weight_standardization``) first become plain layers holding their standardised
 weights (``unnorm.bake_standardized_weights``, exact).
-The script checks that the folded model's eval outputs (a detector's FPN features) match the
-original on random inputs and prints the error.
+The fold is proved before the model changes, on a batch of random images (``--check-batch``):
+a plan that changes a float64 copy's eval outputs (a detector's FPN features) beyond float32
+rounding is refused (``unnorm.fold_norms``). The script prints the folded model's own change
+in its dtype.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -39,12 +42,13 @@ def _model(cfg, weights: dict) -> torch.nn.Module:
     return model_from_config(cfg)
 
 
-def _fold(cfg, model: torch.nn.Module) -> dict:
-    """Fold ``model``'s norms; its weight-standardised layers (``model.weight_standardization``)
-    first become plain layers holding their standardised weights (exact), which take a fold."""
+def _fold(cfg, model: torch.nn.Module, probe: Optional[torch.Tensor]) -> dict:
+    """Fold ``model``'s norms, proved on ``probe`` (a batch of images; None: unchecked); its
+    weight-standardised layers (``model.weight_standardization``) first become plain layers
+    holding their standardised weights (exact), which take a fold."""
     baked = unnorm.bake_standardized_weights(model)
-    done = fold_detector(model) if cfg.task == "detection" else fold_model(model)
-    return {**done, "baked": baked}
+    fold = fold_detector if cfg.task == "detection" else fold_model
+    return {**fold(model, probe=probe), "baked": baked}
 
 
 def load_folded(path: Path, trusted: bool = False) -> torch.nn.Module:
@@ -53,7 +57,7 @@ def load_folded(path: Path, trusted: bool = False) -> torch.nn.Module:
     saved = load_checkpoint(path, trusted=trusted, opt_in="trusted=True")
     cfg = OmegaConf.create(saved["config"])
     model = _model(cfg, saved["model"]).eval()
-    _fold(cfg, model)
+    _fold(cfg, model, probe=None)  # the structure only: the saved weights, proved when folded, replace these
     model.load_state_dict(saved["model"])
     return model
 
@@ -92,7 +96,7 @@ def main(argv=None) -> None:
     run = model.backbone if detection else model
     with torch.no_grad():
         before = run(images)
-        done = _fold(cfg, model)
+        done = _fold(cfg, model, probe=images)
         after = run(images)
     pairs = [(after[k], before[k]) for k in before] if detection else [(after, before)]
     error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)

@@ -75,5 +75,31 @@ def run(cfg: DictConfig) -> float:
     return result["metrics"].get(metric, float("nan"))
 
 
+def check_experiments(args: list[str]) -> None:
+    """Refuse a mistyped ``+exp=`` before Hydra starts, naming the closest names; Hydra would
+    list every experiment (~150) around its one-line error. Globs and ranges are Hydra's."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    from hydra_plugins.unnorm_experiments import check_experiment
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.lstrip("+").partition("=")[0].partition("@")[0] != "exp":
+            continue
+        override = parser.parse_override(arg)
+        if override.value_type == ValueType.ELEMENT:
+            names = [override.get_value_element_as_str()]
+        elif override.value_type in (ValueType.CHOICE_SWEEP, ValueType.SIMPLE_CHOICE_SWEEP):
+            names = list(override.sweep_string_iterator())
+        else:
+            continue
+        for name in names:
+            check_experiment(name)
+
+
 if __name__ == "__main__":
+    try:
+        check_experiments(sys.argv[1:])
+    except ValueError as error:
+        sys.exit(str(error))
     main()

@@ -511,8 +511,8 @@ def test_separate_class_norms_wraps_the_chosen_norms_and_refuses_to_fold_them():
     model(tokens().float()).sum().backward()
     model.eval()
     with pytest.raises(ValueError, match="separated norm cannot fold"):
-        unnorm.fold_norms(model, {"2.class_norm": ["3"]})
-    assert unnorm.fold_norms(model, {"2.class_norm": []}) == 1  # a frozen affine on its token
+        unnorm.fold_norms(model, {"2.class_norm": ["3"]}, probe=tokens())
+    assert unnorm.fold_norms(model, {"2.class_norm": []}, probe=tokens()) == 1  # a frozen affine on its token
 
 
 # --- Weight Standardization -------------------------------------------------------------------
@@ -576,10 +576,10 @@ def test_standardized_linear_layers_fold_only_once_baked():
     model.eval()
     before = model(x)
     with pytest.raises(ValueError, match="bake_standardized_weights"):
-        unnorm.fold_norms(model, {"0": ["1"]})
+        unnorm.fold_norms(model, {"0": ["1"]}, probe=x)
     assert unnorm.bake_standardized_weights(model) == 1 and type(model[1]) is torch.nn.Linear
     close(model(x), before)
-    unnorm.fold_norms(model, {"0": ["1"]})
+    unnorm.fold_norms(model, {"0": ["1"]}, probe=x)
     close(model(x), before)
     with pytest.raises(ValueError, match="matches no plain nn.Linear.*its layers: 1, 2"):
         unnorm.standardize_weights(model, include="head")
@@ -601,7 +601,7 @@ def test_a_fold_plan_is_refused_whole_naming_the_layer(standardized, refused):
     model.eval()
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with pytest.raises(ValueError, match=refused):
-        unnorm.fold_norms(model, {"0": ["1"], "2": ["3"]})
+        unnorm.fold_norms(model, {"0": ["1"], "2": ["3"]}, probe=tokens())
     assert type(model[0]) is not unnorm.FoldedNorm
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name

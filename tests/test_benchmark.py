@@ -213,7 +213,7 @@ def test_detector_variants_post_process_the_same_boxes():
         net = build_detector(config, {"name": norm, **benchmark.STEADY.get(norm, {})},
                              num_classes=81).eval()
         if norm == "prepbn":
-            fold_detector(net)
+            fold_detector(net, probe=images)
         work[("mask_rcnn", norm)] = benchmark.detector_work(net, images)
     assert work[("mask_rcnn", "ln")]["detections"] == [100, 100]
     benchmark.check_equal_work(work)

@@ -198,7 +198,7 @@ def test_folding_into_a_layer_twice_is_refused_by_name(plan, named):
     net = TwoReaders().eval()
     before = net.q.weight.clone()
     with pytest.raises(ValueError, match=f"{named} .*already folded into"):
-        unnorm.fold_norms(net, plan)
+        unnorm.fold_norms(net, plan, probe=torch.randn(2, C))
     assert torch.equal(net.q.weight, before)  # refused before anything changed
 
 
@@ -207,7 +207,7 @@ def test_folding_into_a_tied_weight_is_refused_in_every_entry_point():
     net.k.weight = net.embed.weight = torch.nn.Parameter(torch.randn(C, C))  # a tied "head"
     embedding = net.embed.weight.clone()
     with pytest.raises(ValueError, match="k's weight is tied to embed.weight"):
-        unnorm.fold_norms(net, {"norm": ["q", "k"]})
+        unnorm.fold_norms(net, {"norm": ["q", "k"]}, probe=torch.randn(2, C))
     with pytest.raises(ValueError, match="tied"):
-        unnorm.fold_by_plan(net, {"norm": ["q", "k"]})
+        unnorm.fold_by_plan(net, {"norm": ["q", "k"]}, probe=torch.randn(2, C))
     assert torch.equal(net.embed.weight, embedding)

@@ -345,7 +345,7 @@ def test_folded_detector_matches_the_original(norm):
     images = torch.rand(2, 3, 96, 160, dtype=torch.float64)  # stage maps 24x40 ... 3x5
     with torch.no_grad():
         before = detector.backbone(images)
-        done = fold_detector(detector)
+        done = fold_detector(detector, probe=images)
         after = detector.backbone(images)
     assert done == {"folded": 8 + 3 + 4, "affine": 8 + 1, "kept": 0}
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in detector.modules())
@@ -360,7 +360,7 @@ def test_fold_plan_names_every_norm_and_refuses_online_norms():
     assert plan["backbone.body.layers.1.downsample.norm"] == ["backbone.body.layers.1.downsample.reduction"]
     assert all(not linears for name, linears in plan.items() if name.endswith("norm1"))
     with pytest.raises(ValueError, match="online norm"):
-        fold_detector(_warmed_detector("ln", masks=False))
+        fold_detector(_warmed_detector("ln", masks=False), probe=None)
 
 
 def test_fold_script_folds_a_detection_run(tmp_path):

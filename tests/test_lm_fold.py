@@ -52,7 +52,7 @@ def test_folded_logits_equal_the_unfolded_models(norm, placement):
         want = model(input_ids=ids).logits
         assert want.isfinite().all()
         folded = copy.deepcopy(model)
-        counts = fold_lm(folded)
+        counts = fold_lm(folded, probe=ids)
         got = folded(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     layers = TINY["num_hidden_layers"]  # mix: one Post-LN layer of four
@@ -82,9 +82,9 @@ def test_the_plan_follows_each_placement():
 
 def test_online_norms_and_tied_heads_are_refused():
     with pytest.raises(ValueError, match="online|offline|fold"):
-        fold_lm(build_lm(TINY, {"name": "ln"}).eval())
+        fold_lm(build_lm(TINY, {"name": "ln"}).eval(), probe=None)
     with pytest.raises(ValueError, match="tie_word_embeddings=false"):
-        fold_lm(build_lm({**TINY, "tie_word_embeddings": True}, {"name": "bn"}).eval())
+        fold_lm(build_lm({**TINY, "tie_word_embeddings": True}, {"name": "bn"}).eval(), probe=None)
 
 
 def test_a_plan_that_misses_a_norm_is_refused_before_anything_folds():
@@ -93,6 +93,6 @@ def test_a_plan_that_misses_a_norm_is_refused_before_anything_folds():
     del plan["model.norm"]
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(RuntimeError, match=r"plan misses \['model.norm'\]"):
-        unnorm.fold_by_plan(model, plan)
+        unnorm.fold_by_plan(model, plan, probe=None)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

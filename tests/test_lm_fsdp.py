@@ -365,7 +365,7 @@ def test_a_two_rank_checkpoint_evaluates_and_folds_in_one_process(runs, corpus_r
     inputs = windows[0][0][None]
     with torch.no_grad():
         before = model(input_ids=inputs).logits
-        done = fold_lm(model)
+        done = fold_lm(model, probe=inputs)
         after = model(input_ids=inputs).logits
     assert done["folded"] > 0
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)

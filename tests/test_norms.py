@@ -624,7 +624,7 @@ def test_fold_norms_and_to_affine_by_name():
     model.eval()
     x = torch.randn(10, 4)
     before = model(x)
-    assert unnorm.fold_norms(model, {"1": ["2"], "3": []}) == 2
+    assert unnorm.fold_norms(model, {"1": ["2"], "3": []}, probe=x) == 2
     assert isinstance(model[1], unnorm.FoldedNorm) and isinstance(model[3], unnorm.ChannelAffine)
     torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
 

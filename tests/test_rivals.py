@@ -154,7 +154,7 @@ def test_fold_norms_leaves_a_dyt_without_consumer_whole():
                                 unnorm.build_norm("dyt", C)).eval()
     x = torch.randn(3, C)
     before = model(x)
-    assert unnorm.fold_norms(model, {"0": ["1"], "2": []}) == 1
+    assert unnorm.fold_norms(model, {"0": ["1"], "2": []}, probe=x) == 1
     assert isinstance(model[2], unnorm.DynamicTanh)
     torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="online"):

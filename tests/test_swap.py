@@ -22,7 +22,12 @@ def _logits(model):
 
 
 def _images(model):
-    return model(IMAGES)
+    return model(_pixels(model))
+
+
+def _pixels(model):
+    """IMAGES in the model's dtype: the fold's probe runs it on float64 copies."""
+    return IMAGES.to(next(model.parameters()).dtype)
 
 
 # name: (build the model, run it to (..., classes), its norm classes, the like-for-like norm)
@@ -37,7 +42,7 @@ MODELS = {
     "hf_vit": (lambda: hf.ViTForImageClassification(hf.ViTConfig(
         image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=32, num_labels=3)),
-               lambda model: model(IMAGES).logits, {"LayerNorm"}, "ln"),
+               lambda model: model(_pixels(model)).logits, {"LayerNorm"}, "ln"),
     "llama": (lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**TEXT)), _logits,
               {"LlamaRMSNorm"}, "rms"),
     "qwen2": (lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**TEXT)), _logits,
@@ -136,7 +141,7 @@ def _assert_folding_keeps_the_eval_output(model, run):
     """Every swapped norm becomes its inference affine: the model's eval output stays."""
     before = run(model)
     plan = {n: [] for n, m in model.named_modules() if isinstance(m, unnorm.ChannelNorm)}
-    assert unnorm.fold_norms(model, plan) == len(plan) > 0
+    assert unnorm.fold_norms(model, plan, probe=run) == len(plan) > 0
     torch.testing.assert_close(run(model), before, rtol=1e-4, atol=1e-5)
 
 
@@ -217,3 +222,48 @@ def test_options_left_unset_are_the_modules_defaults_where_docs_core_says_they_d
     for name in unnorm.available_norms():
         assert (f"`{name}` (" in docs) == bool(differing[name]), name
         assert all(f"`{option}`" in docs for option in differing[name]), (name, differing[name])
+
+
+TRAINER_GIVEN = {"prepbn": {"total_steps": 1000}, "pn_ls": {"group_num": 2}}  # what a run sets
+
+
+@pytest.mark.parametrize("name", unnorm.available_norms())
+def test_trainer_norm_options_are_what_a_composed_run_builds_its_norms_with(name):
+    """``plugins.norms.trainer_norm_options``: the norm config of ``+exp=swin_t_<name>`` as
+    Hydra composes it for scripts/train.py (name and run-length keys aside; PRepBN's hand-over
+    ends at ``decay_end`` of the run's steps)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from plugins.norms import CONFIGS, trainer_norm_options
+
+    given = TRAINER_GIVEN.get(name, {})
+    options = trainer_norm_options(name, **given)
+    norm_overrides = [f"norm.{key}={value}" for key, value in given.items() if key != "total_steps"]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        composed = compose("train", overrides=[f"+exp=swin_t_{name}", *norm_overrides])
+    want = OmegaConf.to_container(composed.norm, resolve=True)
+    assert want.pop("name") == name
+    if "decay_end" in want:
+        want["decay_iters"] = round(want.pop("decay_end") * given["total_steps"]) - want["warmup_iters"]
+    assert options == want
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    assert unnorm.swap_norms(model, name, **options) == 1
+
+
+def test_trainer_norm_options_differ_from_the_modules_defaults_and_refuse_what_a_run_sets():
+    from plugins.norms import trainer_norm_options
+
+    options = trainer_norm_options("un")
+    assert options["outlier_filtration"] is True
+    assert unnorm.default_options("un")["outlier_filtration"] is False
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    unnorm.swap_norms(model, "un", **options)
+    assert model[1].outlier_filtration is True
+    assert trainer_norm_options("prepbn", decay_iters=500)["decay_iters"] == 500
+    with pytest.raises(ValueError, match="decay_iters follows the run's length.*pass total_steps"):
+        trainer_norm_options("prepbn")
+    with pytest.raises(ValueError, match="pn_ls's group_num is null.*pass group_num"):
+        trainer_norm_options("pn_ls")
+    with pytest.raises(ValueError, match="no trainer config for norm 'lnn'.*choose one of"):
+        trainer_norm_options("lnn")

@@ -342,6 +342,12 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path):
                           f"hydra.run.dir={launched}")
         assert proc.returncode != 0 and message in proc.stderr
         assert not launched.exists()
+    for mistyped in (["+exp=swin_t_uun"], ["-m", "+exp=swin_t_un,swin_t_uun"]):  # one run, a sweep
+        proc = run_script("scripts/train.py", *mistyped, "scale=cpu", f"hydra.run.dir={launched}")
+        assert proc.returncode != 0 and not launched.exists()
+        assert proc.stderr.splitlines() == [
+            "+exp=swin_t_uun is no experiment. Closest: swin_t_un, swin_t_pn, swin_t_ln, swin_t_bn, "
+            "swin_t_bcn"]  # difflib's closest, not Hydra's list of every experiment
 
 
 def test_finetuning_resets_norm_steps_and_scales_the_backbone_lr(tmp_path):
@@ -398,7 +404,7 @@ def test_folded_swin_with_padded_windows_matches_the_original(norm):
     x = torch.randn(3, 3, 48, 48, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-        done = fold_model(model)
+        done = fold_model(model, probe=x)
         after = model(x)
     assert done == {"folded": len(plan) - 3, "affine": 3, "kept": 0}  # patch_embed + the two padded blocks
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
@@ -413,7 +419,7 @@ def test_folded_t2t_vit_matches_the_original():
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-        assert fold_model(model) == {"folded": 13, "affine": 0, "kept": 0}
+        assert fold_model(model, probe=x) == {"folded": 13, "affine": 0, "kept": 0}
         after = model(x)
     assert not any(isinstance(m, unnorm.ChannelNorm) for m in model.modules())
     assert ((after - before).abs().max() / before.abs().max()) < 1e-4

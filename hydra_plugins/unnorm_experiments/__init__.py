@@ -8,10 +8,13 @@ file that leaves the norm open and each norm in ``configs/norm``, this Hydra plu
 setting, with no file to copy; a file of that name, where one exists, is used instead.
 
 Hydra finds it by itself (its plugins live in the ``hydra_plugins`` namespace package), so
-every composition sees the names: ``scripts/train.py``, the tests, ``hydra.compose``.
+every composition sees the names: ``scripts/train.py``, the tests, ``hydra.compose``. A name
+that is none (``check_experiment``) is refused with the closest names, where Hydra's own
+error would list all of them.
 """
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import yaml
@@ -39,6 +42,19 @@ def experiment_names(configs: Path = CONFIGS) -> dict[str, tuple[str, str]]:
     norms = sorted(path.stem for path in (configs / "norm").glob("*.yaml"))
     return {f"{setting}_{norm}": (setting, norm) for setting in open_norm_settings(configs)
             for norm in norms if f"{setting}_{norm}" not in files}
+
+
+def check_experiment(name: str, configs: Path = CONFIGS) -> None:
+    """Refuse an ``+exp=`` name that names no experiment, naming the closest names."""
+    known = {path.stem for path in (configs / "exp").glob("*.yaml")} | set(experiment_names(configs))
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, sorted(known), n=5)
+    norms = sorted(path.stem for path in (configs / "norm").glob("*.yaml"))
+    raise ValueError(f"+exp={name} is no experiment. " + (
+        f"Closest: {', '.join(close)}" if close else
+        f"A name is <setting>_<norm>, the setting one of {', '.join(open_norm_settings(configs))} "
+        f"and the norm one of {', '.join(norms)}, or a file of {configs / 'exp'}"))
 
 
 def register_experiments(configs: Path = CONFIGS) -> None:

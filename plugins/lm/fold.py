@@ -9,6 +9,9 @@ becomes a frozen affine. DyT keeps its ``tanh(alpha x)`` wherever it sits.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 from torch import nn
 
 import unnorm
@@ -47,11 +50,13 @@ def fold_plan(model: nn.Module) -> dict[str, list[str]]:
     return plan
 
 
-def fold_lm(model: nn.Module) -> dict[str, int]:
-    """Fold every offline norm (and DyT's affine) of an eval-mode ``build_lm`` model in place;
-    returns the counts of ``unnorm.fold_by_plan``. A tied head is refused: folding the final
-    norm into it would change the embedding."""
+def fold_lm(model: nn.Module, *, probe: Optional[torch.Tensor]) -> dict[str, int]:
+    """Fold every offline norm (and DyT's affine) of an eval-mode ``build_lm`` model in place,
+    proved on ``probe``'s logits (token ids, (B, T); None: unchecked); returns the counts of
+    ``unnorm.fold_by_plan``. A tied head is refused: folding the final norm into it would
+    change the embedding."""
     if model.config.tie_word_embeddings and isinstance(model.model.norm, unnorm.ChannelNorm):
         raise ValueError("lm_head is tied to the embedding: folding the final norm into it would "
                          "change the embedding too; build the model with tie_word_embeddings=false")
-    return unnorm.fold_by_plan(model, fold_plan(model))
+    return unnorm.fold_by_plan(model, fold_plan(model), probe=None if probe is None
+                               else lambda copy: copy(input_ids=probe).logits)

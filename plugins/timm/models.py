@@ -4,13 +4,14 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 import timm
+import torch
 from omegaconf import OmegaConf
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import nn
 
 import unnorm
 from plugins.model_options import separate_class_token, standardize_layers
-from plugins.norms import norm_kwargs
+from plugins.norms import groups_by_heads, norm_kwargs
 
 from .t2t_vit import T2TViT
 
@@ -26,11 +27,6 @@ def create_classifier(timm_name: str, norm_cfg: Mapping, num_classes: int, img_s
     if groups_by_heads(norm_cfg):
         regroup(model, norm_cfg, block_heads(model))
     return model
-
-
-def groups_by_heads(norm_cfg: Mapping) -> bool:
-    """PN with layer-scale whose ``group_num`` is left to the model (null)."""
-    return norm_cfg["name"] == "pn_ls" and norm_kwargs(norm_cfg).get("group_num") is None
 
 
 def host_norm_layer(norm_cfg: Mapping):
@@ -174,7 +170,8 @@ def separated_plan(model: nn.Module, plan: dict[str, list[str]]) -> dict[str, li
     return separated
 
 
-def fold_model(model: nn.Module) -> dict[str, int]:
+def fold_model(model: nn.Module, *, probe: Optional[torch.Tensor]) -> dict[str, int]:
     """Fold every offline norm (and DyT's affine) of an eval-mode classifier in place
-    (``unnorm.fold_by_plan`` with the classifier's plan)."""
-    return unnorm.fold_by_plan(model, fold_plan(model))
+    (``unnorm.fold_by_plan`` with the classifier's plan, proved on ``probe``, a batch of images;
+    None: unchecked)."""
+    return unnorm.fold_by_plan(model, fold_plan(model), probe=probe)

@@ -6,6 +6,7 @@ the chosen kind, feed an FPN (P2-P5 plus a max-pooled P6). The heads are torchvi
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -97,6 +98,8 @@ def detector_fold_plan(detector: nn.Module) -> dict[str, list[str]]:
     return plan
 
 
-def fold_detector(detector: nn.Module) -> dict[str, int]:
-    """Fold the offline norms of an eval-mode detector in place."""
-    return unnorm.fold_by_plan(detector, detector_fold_plan(detector))
+def fold_detector(detector: nn.Module, *, probe: Optional[torch.Tensor]) -> dict[str, int]:
+    """Fold the offline norms of an eval-mode detector in place, proved on the backbone's FPN
+    features of ``probe``, a batch of images (the heads branch on the data; None: unchecked)."""
+    return unnorm.fold_by_plan(detector, detector_fold_plan(detector), probe=None if probe is None
+                               else lambda copy: copy.backbone(probe.double()))
