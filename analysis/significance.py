@@ -59,6 +59,10 @@ SIGNIFICANCE_NOTE = ("{n} in this table: the difference of means and Welch's p "
                      "correction over the table's comparisons. Means and tests take the runs that "
                      "learned; 'chance k/n' runs finished no better than chance, FAIL runs "
                      "collapsed.")
+#: what a difference printed without p means, by the reason there is no test
+UNTESTED_NOTES = {"n": "A difference without p ('n=1 vs 3: no test'): the difference of means, "
+                       "where a side has a single run that learned, too few for Welch's test.",
+                  "spread": "'no spread: no test': every run on both sides ended alike."}
 
 
 def holm(pvalues: list[float]) -> list[float]:
@@ -101,16 +105,29 @@ class Comparisons:
     def count(self) -> int:
         return sum(1 for result in self.results() if result is not None and result[1] is not None)
 
+    def untested(self) -> set[str]:
+        """Why some differences have no test: ``n`` (a side with one run), ``spread``."""
+        return {"n" if result is None else "spread"
+                for (values, baseline, _), result in zip(self.tests, self.results())
+                if values and baseline and (result is None or result[1] is None)}
+
     def texts(self) -> list[str]:
+        """Each test's text: the difference of means wherever both sides have a run, with
+        Welch's p and its marks where both have two."""
         results = self.results()
         tested = [i for i, r in enumerate(results) if r is not None and r[1] is not None]
         adjusted = dict(zip(tested, holm([results[i][1] for i in tested])))
         texts = []
         for index, result in enumerate(results):
-            if result is None:
+            values, baseline, digits = self.tests[index]
+            if not values or not baseline:
                 texts.append("—")
                 continue
-            (difference, p), digits = result, self.tests[index][2]
+            if result is None:
+                difference = statistics.mean(values) - statistics.mean(baseline)
+                texts.append(f"{difference:+.{digits}f} (n={len(values)} vs {len(baseline)}: no test)")
+                continue
+            difference, p = result
             if p is None:
                 texts.append(f"{difference:+.{digits}f} (no spread: no test)")
                 continue
@@ -119,9 +136,11 @@ class Comparisons:
         return texts
 
     def note(self) -> str:
-        """The table's note on its tests ("" without any)."""
+        """The table's note on its tests and on its differences without one ("" without any)."""
         count = self.count
-        return SIGNIFICANCE_NOTE.format(n=f"{count} comparison{'s' if count > 1 else ''}") if count else ""
+        notes = [SIGNIFICANCE_NOTE.format(n=f"{count} comparison{'s' if count > 1 else ''}")] if count else []
+        untested = self.untested()
+        return " ".join(notes + [text for why, text in UNTESTED_NOTES.items() if why in untested])
 
 
 def with_tests(rows: list[list], comparisons: Comparisons, prefix: str = "") -> list[list[str]]:

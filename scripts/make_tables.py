@@ -8,7 +8,8 @@ Reads every ``result.json`` under each ``--runs`` folder and the paper's numbers
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
 better than chance show as ``chance k/n``, collapsed ones as FAIL with their step; each cell
 is tested against its baseline (LN; UN as configured for sweeps and ablations) by Welch's
-t-test, marked after Holm's correction over the table's comparisons too; a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
+t-test, marked after Holm's correction over the table's comparisons too (a side of one run:
+the difference alone); a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
 """
 from __future__ import annotations
 

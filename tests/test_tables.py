@@ -56,7 +56,7 @@ def test_cells_summarise_seeds_failures_and_cpu_scale(tmp_path):
     assert table_row(markdown, "Table 2", "BN")[1] == "80.8 / 79.5 (n=1); FAIL 1/2 (step 1234)"
     assert table_row(markdown, "Table 2", "LN")[2] == "81.5 / 90.2 (n=1)†"
     window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
-    assert window[1:] == ["—", "—", "10.0 (n=1)", "—", "—"]
+    assert window[1:] == ["—", "—", "10.0 (n=1); vs default -71.0 (n=1 vs 3: no test)", "—", "—"]
     tex = (tmp_path / "out" / "tables.tex").read_text()
     assert "81.0 $\\pm$ 1.0 (n=3)" in tex and "\\begin{tabular}" in tex
 
@@ -83,7 +83,8 @@ def test_my_runs_beside_the_committed_ones_never_over_the_committed_tables(tmp_p
     proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(mine),
                            str(theirs), "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert table_row((out / "tables.md").read_text(), "Table 2", "BN")[1].endswith("/ 70.0 (n=1)")
+    assert table_row((out / "tables.md").read_text(), "Table 2", "BN")[1] == (
+        "80.8 / 70.0 (n=1); vs LN -10.0 (n=1 vs 1: no test)")
     committed = (ROOT / "results" / "tables" / "tables.md").read_bytes()
     for argv, message in ((["--runs", str(mine)], "--out <folder>"),
                           (["--runs", str(tmp_path / "typo"), "--out", str(out)], "no such folder")):
@@ -126,7 +127,7 @@ def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / —"  # not measured
     assert table_row(markdown, "Table 3", "LN")[1] == "45.5 / FAIL 1/1 (step 77)"
     window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP")
-    assert window[1:] == ["42.0 (n=1)", "—", "—", "—", "—"]
+    assert window[1:] == ["42.0 (n=1); vs default -3.0 (n=1 vs 1: no test)", "—", "—", "—", "—"]
 
 
 def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
@@ -148,9 +149,10 @@ def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
               norm_options=options, metrics={"top1": 75.0})
     markdown = make_tables(runs, tmp_path / "out")
     window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
-    assert window[1:] == ["70.0 (n=1)", "81.0 ± 1.0 (n=3)", "75.0 (n=1)", "—", "—"]
+    assert window[1:] == ["70.0 (n=1); vs default -11.0 (n=1 vs 3: no test)", "81.0 ± 1.0 (n=3)",
+                          "75.0 (n=1); vs default -6.0 (n=1 vs 3: no test)", "—", "—"]
     assert table_row(markdown, "Table 5", "1")[-1] == "81.0 ± 1.0 (n=3)"
-    assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1)"
+    assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1); vs Exp1 -21.0 (n=1 vs 3: no test)"
 
 
 def test_stability_map_table_and_figure(tmp_path):
@@ -347,6 +349,31 @@ def test_cells_test_against_ln_and_show_chance_apart(tmp_path):
     assert table_row(markdown, "Table 2", "BN")[1] == (
         f"80.8 / 71.3 ± 1.5 (n=3); chance 1/4; vs LN -9.7 (p={p:.2g})**")
     assert "1 comparison in this table" in markdown
+
+
+def test_a_difference_shows_at_any_n_and_a_test_where_both_sides_have_two(tmp_path):
+    """One run against three, or three against one, prints the difference of means without p
+    and the caption says what that means; claims, which check a p, still refuse a side of
+    one run."""
+    from analysis import claims
+    runs = tmp_path / "runs"
+    ln, un = [80.0, 82.0, 81.0], [60.0, 64.0]
+    for seed, top1 in enumerate(ln):
+        write_run(runs, f"ln{seed}", norm="ln", seed=seed, metrics={"top1": top1})
+    write_run(runs, "bn0", norm="bn", metrics={"top1": 70.5})
+    t2t = {"model": "t2t_vit_14"}
+    write_run(runs, "t2t_ln0", norm="ln", metrics={"top1": 70.0}, **t2t)
+    for seed, top1 in enumerate(un):
+        write_run(runs, f"t2t_un{seed}", norm="un", seed=seed, metrics={"top1": top1}, **t2t)
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 2", "BN")[1] == "80.8 / 70.5 (n=1); vs LN -10.5 (n=1 vs 3: no test)"
+    assert table_row(markdown, "Table 2", "UN")[2] == "80.9 / 62.0 ± 2.8 (n=2); vs LN -8.0 (n=2 vs 1: no test)"
+    table2 = markdown.split("## Table 2")[1].split("## ")[0]
+    assert "A difference without p" in table2 and "comparison" not in table2  # no test: no count
+    records = [{**json.loads((folder / "result.json").read_text()), "scale": "cpu"}
+               for folder in sorted(runs.iterdir())]
+    with pytest.raises(ValueError, match="fewer than two runs on a side"):
+        claims.compare(records, "swin_t:BN", "swin_t:LN")
 
 
 def test_training_through_the_norms_has_its_table_tested_against_base(tmp_path):
