@@ -35,7 +35,8 @@ def is_default(run: dict) -> bool:
 
 
 def paper_text(value) -> str:
-    return "—" if value is None else str(value)
+    """A paper's number as printed; its FAIL says whose, beside ours (``FAIL 1/3 (step 50)``)."""
+    return "—" if value is None else "FAIL (paper)" if value == "FAIL" else str(value)
 
 
 @dataclass

@@ -612,8 +612,18 @@ def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
 
 def test_paper_numbers_are_copied_beside_ours(tmp_path):
     markdown = make_tables(tmp_path / "empty", tmp_path / "out")
-    assert table_row(markdown, "Table 1", "NoNorm")[1:] == ["FAIL / —", "32.8 / —"]
+    assert table_row(markdown, "Table 1", "NoNorm")[1:] == ["FAIL (paper) / —", "32.8 / —"]
     assert table_row(markdown, "Table 9", "4")[4] == "18.3"
+    assert table_row(markdown, "Table 9", "5")[4] == "FAIL (paper)"
+
+
+def test_the_papers_fail_and_ours_read_apart(tmp_path):
+    """A paper's FAIL says it is the paper's; ours carries how many collapsed and when."""
+    runs = tmp_path / "runs"
+    write_run(runs, "nonorm", task="translation", model="transformer_iwslt_de_en",
+              exp_data="iwslt14", norm="nonorm", status="FAIL", fail_step=77)
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 1", "NoNorm")[1] == "FAIL (paper) / FAIL 1/1 (step 77)"
 
 
 def test_slurm_launcher_config_renders_an_sbatch_script(tmp_path, monkeypatch):
