@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from scipy import stats
 
-from analysis.runs import superseded_warmup
+from analysis.runs import broken_metric, superseded_warmup
 
 
 @dataclass
@@ -18,9 +18,25 @@ class Cell:
 
     runs: list = field(default_factory=list)
 
+    def learned(self) -> list[dict]:
+        """The runs that learned (status ``ok``: not collapsed, not at chance)."""
+        return [r for r in self.runs if r["status"] == "ok"]
+
     def values(self, metric: str) -> list[float]:
-        """The metric of every run that learned (status ``ok``: not collapsed, not at chance)."""
-        return [r["metrics"][metric] for r in self.runs if r["status"] == "ok" and metric in r["metrics"]]
+        """The metric of every run that learned and records it as a number; ``undefined``
+        and ``broken`` hold the others."""
+        return [r["metrics"][metric] for r in self.learned()
+                if not broken_metric(r, metric) and r["metrics"].get(metric) is not None]
+
+    def undefined(self, metric: str) -> list[dict]:
+        """The runs that learned for which ``metric`` is not defined (``broken_metric``)."""
+        return [r for r in self.learned()
+                if not broken_metric(r, metric) and r["metrics"].get(metric) is None]
+
+    def broken(self, metric: str) -> list[dict]:
+        """The runs that learned whose record gives no number for ``metric`` though one is
+        expected (``broken_metric``)."""
+        return [r for r in self.learned() if broken_metric(r, metric)]
 
     def text(self, metric: str) -> str:
         if not self.runs:
@@ -35,12 +51,23 @@ class Cell:
         if ok:
             spread = f" ± {statistics.stdev(ok):.{digits}f}" if len(ok) > 1 else ""
             parts.append(f"{statistics.mean(ok):.{digits}f}{spread} (n={len(ok)})")
+        for name, runs in (("not defined", self.undefined(metric)), ("broken", self.broken(metric))):
+            if runs:
+                parts.append(f"{name} {len(runs)}/{len(self.runs)}")
         if chance:
             parts.append(f"chance {len(chance)}/{len(self.runs)}")
         if failed:
             steps = ", ".join(str(r["fail_step"]) for r in failed)
             parts.append(f"FAIL {len(failed)}/{len(self.runs)} (step {steps})")
-        return "; ".join(parts) + dagger if parts else "—"  # e.g. no large objects: no APl
+        return "; ".join(parts) + dagger if parts else "—"
+
+
+#: the notes of a table whose cells count runs without a number (``Cell.text``)
+CELL_NOTES = {"not defined": "'not defined k/n': k runs that learned have no such number by design "
+                             "(recorded null; COCO evaluation leaves out an area range without "
+                             "ground truth, e.g. APl on data without large objects).",
+              "broken": "'broken k/n': k runs that learned have a record that gives no number "
+                        "for the metric (missing or not a number), each named by make_tables.py."}
 
 
 def welch_p(values: list[float], baseline: list[float]) -> float:

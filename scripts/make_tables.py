@@ -9,7 +9,8 @@ mean +- std over seeds of the runs that learned, with their count; runs that fin
 better than chance show as ``chance k/n``, collapsed ones as FAIL with their step; each cell
 is tested against its baseline (LN; UN as configured for sweeps and ablations) by Welch's
 t-test, marked after Holm's correction over the table's comparisons too (a side of one run:
-the difference alone); a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
+the difference alone); it prints how many runs it read and skipped, naming each broken
+record (``analysis.runs.broken_records``); a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))  # analysis/ from a plain checkout
 COMMITTED_RUNS = ROOT / "results" / "runs"
 COMMITTED_TABLES = ROOT / "results" / "tables"
 
-from analysis.runs import load_runs  # noqa: E402
+from analysis.runs import broken_text, load_runs, runs_read  # noqa: E402
 from analysis.tables import build_tables, to_latex, to_markdown  # noqa: E402
 
 
@@ -49,9 +50,11 @@ def main() -> None:
     runs = [run for folder in args.runs for run in load_runs(folder)]
     tables = build_tables(yaml.safe_load(args.paper.read_text()), runs, args.benchmarks)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tables.md").write_text(to_markdown(tables, len(runs)))
+    (args.out / "tables.md").write_text(to_markdown(tables, runs))
     (args.out / "tables.tex").write_text(to_latex(tables))
-    print(f"{len(runs)} runs -> {args.out / 'tables.md'}, {args.out / 'tables.tex'}")
+    print(f"{runs_read(runs)} -> {args.out / 'tables.md'}, {args.out / 'tables.tex'}")
+    if broken_text(runs):
+        print(broken_text(runs), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,49 @@ def test_a_damaged_record_is_named_with_the_fix(tmp_path):
     assert f"{damaged} is not a whole result.json" in proc.stderr and "copy it again" in proc.stderr
 
 
+def test_a_broken_record_is_counted_and_named_and_an_undefined_metric_is_not(tmp_path):
+    """A run that learned without a number for its task's metric is skipped, counted and named
+    with why; one with another metric broken stays in its task's cells and says 'broken' in
+    that metric's; a metric not defined for a run (recorded null, or a COCO area range left
+    out) is no broken record, and its cell says so."""
+    runs = tmp_path / "runs"
+    write_run(runs, "ln0", norm="ln", metrics={"top1": 80.0})
+    write_run(runs, "ln1", norm="ln", metrics={"top1": 82.0})
+    write_run(runs, "ln_missing", norm="ln", metrics={"top5": 99.0})
+    write_run(runs, "ln_text", norm="ln", metrics={"top1": "n/a"})
+    write_run(runs, "ln_chance", norm="ln", status="chance", metrics={})  # not a run that learned
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco"}
+    for seed, ap in enumerate([40.0, 42.0]):  # no large objects: no APl; a box-only mask AP: null
+        write_run(runs, f"mask{seed}", **detection, metrics={"bbox_AP": ap, "bbox_AP50": 60.0 + seed,
+                                                             "segm_AP": None})
+    write_run(runs, "mask_text", **detection, metrics={"bbox_AP": 44.0, "bbox_AP50": "x"})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs), "--out",
+                           str(out), "--benchmarks", str(runs / "none")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("8 runs read, 2 skipped ->")
+    named = {line.split(": ", 1)[0]: line.split(": ", 1)[1]
+             for line in proc.stderr.split("runs read. ", 1)[1].strip().split("; ")}
+    assert named == {f"{runs / 'ln_missing' / 'result.json'} (skipped)": "top1 missing",
+                     f"{runs / 'ln_text' / 'result.json'} (skipped)": "top1 is 'n/a', not a number",
+                     f"{runs / 'mask_text' / 'result.json'}": "bbox_AP50 is 'x', not a number"}
+    markdown = (out / "tables.md").read_text()
+    assert markdown.startswith("# The paper's tables beside ours (8 runs read, 2 skipped)")
+    assert str(runs / "ln_missing" / "result.json") in markdown
+    assert table_row(markdown, "Table 2", "LN")[1] == "81.3 / 81.0 ± 1.4 (n=2); broken 2/5; chance 1/5"
+    un = dict(zip(table_row(markdown, "Table 4", "method"), table_row(markdown, "Table 4", "UN")))
+    assert un["box AP"] == "45.6 / 42.0 ± 2.0 (n=3)"
+    assert un["box AP50"] == "67.6 / 60.5 ± 0.7 (n=2); broken 1/3"
+    assert un["mask AP"] == "41.4 / not defined 3/3"  # recorded null: by design
+    assert un["box APl"] == "58.9 / not defined 3/3"  # left out by COCO evaluation: by design
+    table4 = markdown.split("## Table 4")[1].split("## ")[0]
+    assert "'not defined k/n'" in table4 and "'broken k/n'" in table4
+    proc = subprocess.run([sys.executable, "-m", "analysis.stability", "--runs", str(runs), "--out",
+                           str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.startswith("8 runs read, 2 skipped") and "ln_missing" in proc.stderr
+
+
 def test_my_runs_beside_the_committed_ones_never_over_the_committed_tables(tmp_path):
     """Several run folders table together; the committed tables are written only from the
     committed runs, and a folder that is not there is named."""
@@ -124,7 +167,7 @@ def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     header = table_row(markdown, "Table 4", "method")
     un = dict(zip(header, table_row(markdown, "Table 4", "UN")))
     assert un["box AP"] == "45.6 / 45.0 (n=1)" and un["mask AP"] == "41.4 / 40.5 (n=1)"
-    assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / —"  # not measured
+    assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / not defined 1/1"
     assert table_row(markdown, "Table 3", "LN")[1] == "45.5 / FAIL 1/1 (step 77)"
     window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP")
     assert window[1:] == ["42.0 (n=1); vs default -3.0 (n=1 vs 1: no test)", "—", "—", "—", "—"]
