@@ -19,7 +19,9 @@ from analysis.significance import CELL_NOTES, DIGITS, Cell, Comparisons, select,
 #: the ways of training through the norms (sam=..., train_only=...): tabled on their own
 TRAINING_THROUGH_NORMS = ("sam=", "train_only=")
 CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
-            "generated shapes), not the paper's dataset or schedule.")
+            "generated shapes), not the paper's dataset or schedule. Ours are named by the "
+            "experiment, as the paper's model and dataset ('swin_t imagenet'), and by the data "
+            "they ran on where that is another ('run on digits'; a column: 'ours on digits').")
 
 
 SUPERSEDED_NOTE = ("‡ with runs whose norm warm-up ended before its running averages had "
@@ -49,14 +51,18 @@ class Table:
 
 
 def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
-    """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric)."""
-    header = ["method"] + list(columns)
+    """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric), the
+    paper's column and the runs of ours for it, whose header names the data they ran on."""
     cells = {(norm, column): select(runs, task=lambda r: r.get("task") == task,
                                     norm=lambda r, n=norm: r.get("norm") == n,
                                     model=lambda r, m=model: m is None or r.get("model") == m,
                                     data=lambda r, d=data: r.get("exp_data") == d,
                                     default=is_default)
              for norm in METHOD_NORMS.values() for column, (model, data, _) in columns.items()}
+    header = ["method"]
+    for column in columns:
+        ran = [r for norm in METHOD_NORMS.values() for r in cells[(norm, column)].runs]
+        header.append(f"{column} (ours on {data_ran(ran)})" if ran else column)
     comparisons = Comparisons()
     rows = []
     for method, norm in METHOD_NORMS.items():
@@ -70,8 +76,29 @@ def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
         if any(_text(cell) != "— / —" for cell in row[1:]):
             rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs LN "),
-                 ["Each cell: paper / ours; vs LN: our difference from LN's runs in the column.",
+                 ["Each cell: paper (on the column's dataset) / ours (on the data the header "
+                  "names); vs LN: our difference from LN's runs in the column.",
                   comparisons.note()])
+
+
+def data_ran(runs: list[dict]) -> str:
+    """The data ``runs`` trained on (result.json's ``data``: ``digits`` at CPU scale), which
+    the tables name beside the experiment's dataset they group runs by (``exp_data``)."""
+    return ", ".join(sorted({str(r.get("data", "unrecorded data")) for r in runs}))
+
+
+def ran_on(place: tuple, runs: list[dict]) -> str:
+    """``, run on digits``: the data a place's runs trained on, where that is not the
+    experiment's dataset that names the place (``swin_t imagenet``: the paper's); "" where
+    it is."""
+    data = data_ran(runs)
+    return "" if data == place[2] else f", run on {data}"
+
+
+def place_name(place: tuple) -> str:
+    """``swin_t imagenet``: a place's model and its experiment's dataset, as the tables (and
+    the prose's table titles) name it."""
+    return f"{place[1]} {place[2]}"
 
 
 def _text(cell) -> str:
@@ -89,11 +116,10 @@ def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
     swept = {where(r) for r in unswept if override_value(r, key) is not None}
     comparisons = Comparisons()
     for place in sorted(swept):
-        task, model, data = place
-        metric = TASK_METRIC[task]
+        metric = TASK_METRIC[place[0]]
         group = [r for r in unswept if where(r) == place]
         default = Cell([r for r in group if not changes(r)]).values(metric)
-        row: list = [f"ours: {model} {data} {metric}"]
+        row: list = [f"ours: {place_name(place)} {metric}{ran_on(place, group)}"]
         for v in values:
             cell = Cell([r for r in group if _same(option_value(r, key), v)])
             has_default = any(not changes(r) for r in cell.runs)
@@ -120,7 +146,8 @@ def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
     un = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None]
     groups = sorted({where(r) for r in un if override_value(r, "ablation")})
     header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
-              + [f"ours: {model} {data} {TASK_METRIC[task]}" for task, model, data in groups])
+              + [f"ours: {place_name(place)} {TASK_METRIC[place[0]]}"
+                 f"{ran_on(place, [r for r in un if where(r) == place])}" for place in groups])
     comparisons = Comparisons()
     rows = []
     for item in paper_rows:
@@ -143,8 +170,8 @@ def stability_tables(runs: list[dict]) -> list[Table]:
     """The stability map: per model, every setting at each learning-rate multiple, as the
     collapsed fraction and the mean metric of the runs that did not collapse."""
     tables = []
-    for (task, model, data), settings in sorted(ladder(runs).items()):
-        metric = TASK_METRIC[task]
+    for place, settings in sorted(ladder(runs).items()):
+        task, metric = place[0], TASK_METRIC[place[0]]
         multiples = sorted({m for cells in settings.values() for m in cells})
         comparisons = Comparisons(DIGITS.get(metric, 1))
         reference = reference_method(task)
@@ -158,7 +185,8 @@ def stability_tables(runs: list[dict]) -> list[Table]:
                 row.append(cell.text(metric) if label == ours or not cell.runs else
                            (cell.text(metric), comparisons.add(cell.values(metric), baseline.values(metric))))
             rows.append(row)
-        tables.append(Table(f"Stability: {model} {data}, {metric} by learning-rate multiple",
+        tables.append(Table(f"Stability: {place_name(place)}, {metric} by learning-rate multiple"
+                            f"{ran_on(place, on_ladder(settings))}",
                             ["setting"] + [f"{m:g}x lr" for m in multiples],
                             with_tests(rows, comparisons, f"; vs {reference} "),
                             ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
@@ -174,8 +202,8 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
     its result there, its sensitivity with a bootstrap interval, and the comparison with the
     reference (LN, Pre-LN) at each one's own best rate beside the one at the recipe's rate."""
     tables = []
-    for (task, model, data), settings in sorted(ladder(runs).items()):
-        metric = TASK_METRIC[task]
+    for place, settings in sorted(ladder(runs).items()):
+        task, metric = place[0], TASK_METRIC[place[0]]
         digits = DIGITS.get(metric, 1)
         bound = chance_bound(settings, metric)
         reference = reference_method(task)
@@ -208,7 +236,7 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
             rows.append(row)
         worse = "above" if metric in LOWER_IS_BETTER else "below"
         tables.append(Table(
-            f"Learning-rate sensitivity: {model} {data}, {metric}",
+            f"Learning-rate sensitivity: {place_name(place)}, {metric}{ran_on(place, on_ladder(settings))}",
             ["setting", "best rate", f"{metric} at the best rate",
              "sensitivity [95% bootstrap]", f"sensitivity vs {reference} [95% bootstrap]",
              f"vs {reference}, each at its best", f"vs {reference} at 1x"],
@@ -231,9 +259,8 @@ def attention_logit_tables(runs: list[dict]) -> list[Table]:
     attention logit at the final evaluation, per setting and learning-rate multiple (the median
     over the seeds that recorded it, whatever their status, with their largest)."""
     tables = []
-    for (task, model, data), settings in sorted(ladder(runs).items()):
-        if not any(ATTENTION_LOGIT in r["metrics"] for points in settings.values()
-                   for group in points.values() for r in group):
+    for place, settings in sorted(ladder(runs).items()):
+        if not any(ATTENTION_LOGIT in r["metrics"] for r in on_ladder(settings)):
             continue
         multiples = sorted({m for cells in settings.values() for m in cells})
         rows = []
@@ -249,8 +276,8 @@ def attention_logit_tables(runs: list[dict]) -> list[Table]:
                            f"{'; ' + others if others else ''})" if logits else "—")
             if any(cell != "—" for cell in row[1:]):
                 rows.append(row)
-        tables.append(Table(f"Attention logits: {model} {data}, the largest at the end by "
-                            "learning-rate multiple",
+        tables.append(Table(f"Attention logits: {place_name(place)}, the largest at the end by "
+                            f"learning-rate multiple{ran_on(place, on_ladder(settings))}",
                             ["setting"] + [f"{m:g}x lr" for m in multiples], rows,
                             ["The largest pre-softmax attention logit over the layers and heads, "
                              "on one validation batch at the final evaluation (eval mode): the "
@@ -260,6 +287,11 @@ def attention_logit_tables(runs: list[dict]) -> list[Table]:
                              "out. Wortsman et al. (2023) tie divergence at high rates to this "
                              "logit's growth, and qk-layernorm to bounding it."]))
     return tables
+
+
+def on_ladder(settings: dict[str, dict[float, list[dict]]]) -> list[dict]:
+    """Every run of a place's ladder (``ladder``'s ``{setting: {multiple: [runs]}}``)."""
+    return [r for points in settings.values() for group in points.values() for r in group]
 
 
 def reference_setting(label: str, reference: str, settings) -> str:
@@ -303,9 +335,9 @@ def settings_tables(runs: list[dict]) -> list[Table]:
              and override_value(r, STABILITY_KEY) is None and not through_norms(r)
              and not micro_batch_swept(r)]
     tables = []
-    for task, model, data in sorted({where(r) for r in small}):
-        group = [r for r in small if where(r) == (task, model, data)]
-        metric = TASK_METRIC[task]
+    for place in sorted({where(r) for r in small}):
+        group = [r for r in small if where(r) == place]
+        task, metric = place[0], TASK_METRIC[place[0]]
         labels = sorted({setting(r) for r in group}, key=method_order)
         cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
         reference = reference_method(task)
@@ -319,7 +351,7 @@ def settings_tables(runs: list[dict]) -> list[Table]:
             rows.append([label, cell.text(metric), baseline if tested else "—",
                          ("", comparisons.add(cell.values(metric), cells[baseline].values(metric)))
                          if tested else "—"])
-        tables.append(Table(f"CPU-scale settings: {model} {data}",
+        tables.append(Table(f"CPU-scale settings: {place_name(place)}{ran_on(place, group)}",
                             ["setting", metric, "baseline", "vs baseline"],
                             with_tests(rows, comparisons),
                             [f"Baseline: {reference} with the same overrides where that was run, "
@@ -362,7 +394,8 @@ def micro_batch_tables(runs: list[dict]) -> list[Table]:
         images = sorted({micro_batch(r) * r.get("accumulate", 1) * r.get("world_size", 1)
                          for r in group})
         tables.append(Table(
-            f"Micro-batch training: {place[1]} {place[2]}, top-1 (%) by images per micro-batch",
+            f"Micro-batch training: {place_name(place)}, top-1 (%) by images per micro-batch"
+            f"{ran_on(place, group)}",
             ["norm", *map(str, sizes), f"{sizes[0]} vs {sizes[-1]}"],
             with_tests(rows, comparisons, "; vs LN "),
             [f"A norm's batch statistics see the micro-batch in the column; each update "
@@ -416,7 +449,7 @@ def sam_tables(runs: list[dict], benchmarks: Path) -> list[Table]:
                 cell.text(metric) if name == "base" or not cell.runs else
                 (cell.text(metric), comparisons.add(cell.values(metric), base))
                 for name, cell in cells.items()])
-        tables.append(Table(f"Training through the norms: {place[1]} {place[2]}, {metric}",
+        tables.append(Table(f"Training through the norms: {place_name(place)}, {metric}{ran_on(place, group)}",
                             ["norm", *columns], with_tests(rows, comparisons, "; vs base "),
                             ["base: the recipe's optimizer on every parameter (the main runs); "
                              "SAM/ASAM perturb every parameter, -ON only the norms' affine "
@@ -475,7 +508,7 @@ def lm_tables(runs: list[dict]) -> list[Table]:
             rows.append([label, cell.text("val_loss"), "—" if label == "Pre-LN" else
                          ("", comparisons.add(cell.values("val_loss"), baseline)), seen])
         tables.append(Table(
-            f"Language modelling: {place[1]} {place[2]}, validation loss (nats)",
+            f"Language modelling: {place_name(place)}, validation loss (nats){ran_on(place, group)}",
             ["setting", "val_loss", "vs Pre-LN: difference (Welch p)", "sees later tokens"],
             with_tests(rows, comparisons),
             ["Lower is better. 'sees later tokens': training-mode logits at position t move when "
@@ -530,7 +563,8 @@ def embedding_scale_table(place: tuple, group: list[dict]) -> Table:
     rows = with_tests(rows, comparisons, "; vs Pre-LN ")
     for row in rows:
         row.append(verdicts.get(row[0], "—"))
-    return Table(f"Language modelling: {place[1]} {place[2]}, placement under the embedding scale",
+    return Table(f"Language modelling: {place_name(place)}, placement under the embedding scale"
+                 f"{ran_on(place, group)}",
                  ["setting", *(_SCALE_NAMES[k] for k in EMBEDDING_SCALES), "vs Pre-LN under all three"],
                  rows,
                  ["Validation loss (nats); each placement against Pre-LN under the same embedding "
@@ -557,8 +591,8 @@ def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:
                                          for size in sizes])
     tokens = sorted({r["metrics"]["tokens"] for c in cells.values() for r in c.runs
                      if "tokens" in r.get("metrics", {})})
-    return Table(f"Language modelling: {place[1]} {place[2]}, validation loss by batch size "
-                 "(sequences per update, same training tokens)",
+    return Table(f"Language modelling: {place_name(place)}, validation loss by batch size "
+                 f"(sequences per update, same training tokens){ran_on(place, group)}",
                  ["setting"] + [str(size) for size in sizes], with_tests(rows, comparisons),
                  [f"{comparisons.note()} No run accumulates: UN's and LN's statistics see the "
                   f"batch size in the column. Training tokens per run: {', '.join(map(str, tokens))}."])

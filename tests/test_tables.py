@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_run(root: Path, name: str, **fields) -> None:
     run = {"status": "ok", "task": "classification", "model": "swin_t", "exp_data": "imagenet",
-           "norm": "un", "scale": "full", "overrides": [], "metrics": {}, "fail_step": None}
+           "data": "digits", "norm": "un", "scale": "full", "overrides": [], "metrics": {}, "fail_step": None}
     run.update(fields)
     (root / name).mkdir(parents=True)
     (root / name / "result.json").write_text(json.dumps(run))
@@ -55,10 +55,28 @@ def test_cells_summarise_seeds_failures_and_cpu_scale(tmp_path):
     assert un[1] == "81.0 / 81.0 ± 1.0 (n=3)"  # the swept run is not a default run
     assert table_row(markdown, "Table 2", "BN")[1] == "80.8 / 79.5 (n=1); FAIL 1/2 (step 1234)"
     assert table_row(markdown, "Table 2", "LN")[2] == "81.5 / 90.2 (n=1)†"
-    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
+    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")
     assert window[1:] == ["—", "—", "10.0 (n=1); vs default -71.0 (n=1 vs 3: no test)", "—", "—"]
     tex = (tmp_path / "out" / "tables.tex").read_text()
     assert "81.0 $\\pm$ 1.0 (n=3)" in tex and "\\begin{tabular}" in tex
+
+
+def test_ours_are_named_by_the_data_they_ran_on_beside_the_papers_dataset(tmp_path):
+    """A column, row or title of ours names the data its runs trained on (``data``) beside the
+    experiment's dataset, the paper's (``exp_data``, by which runs are still grouped and the
+    paper's numbers looked up); a run on the paper's own data names that alone."""
+    runs = tmp_path / "runs"
+    write_run(runs, "ln_cpu", norm="ln", scale="cpu", metrics={"top1": 90.0})
+    write_run(runs, "ln_t2t", norm="ln", model="t2t_vit_14", data="imagenet", metrics={"top1": 79.0})
+    write_run(runs, "un_m2", scale="cpu", overrides=["norm.window_size=2"], metrics={"top1": 85.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 2", "method")[1:] == [
+        "swin_t_imagenet (ours on digits)", "t2t_vit_14_imagenet (ours on imagenet)",
+        "t2t_vit_14_cifar10", "t2t_vit_14_cifar100"]
+    assert table_row(markdown, "Table 2", "LN")[1:3] == ["81.3 / 90.0 (n=1)†", "81.5 / 79.0 (n=1)"]
+    assert table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")[1] == "85.0 (n=1)†"
+    assert "## CPU-scale settings: swin_t imagenet, run on digits\n" in markdown
+    assert "run on imagenet" not in markdown
 
 
 def test_a_damaged_record_is_named_with_the_fix(tmp_path):
@@ -84,7 +102,7 @@ def test_a_broken_record_is_counted_and_named_and_an_undefined_metric_is_not(tmp
     write_run(runs, "ln_missing", norm="ln", metrics={"top5": 99.0})
     write_run(runs, "ln_text", norm="ln", metrics={"top1": "n/a"})
     write_run(runs, "ln_chance", norm="ln", status="chance", metrics={})  # not a run that learned
-    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco"}
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco", "data": "shapes"}
     for seed, ap in enumerate([40.0, 42.0]):  # no large objects: no APl; a box-only mask AP: null
         write_run(runs, f"mask{seed}", **detection, metrics={"bbox_AP": ap, "bbox_AP50": 60.0 + seed,
                                                              "segm_AP": None})
@@ -104,7 +122,8 @@ def test_a_broken_record_is_counted_and_named_and_an_undefined_metric_is_not(tmp
     assert markdown.startswith("# The paper's tables beside ours (8 runs read, 2 skipped)")
     assert str(runs / "ln_missing" / "result.json") in markdown
     assert table_row(markdown, "Table 2", "LN")[1] == "81.3 / 81.0 ± 1.4 (n=2); broken 2/5; chance 1/5"
-    un = dict(zip(table_row(markdown, "Table 4", "method"), table_row(markdown, "Table 4", "UN")))
+    un = {column.removesuffix(" (ours on shapes)"): cell for column, cell in
+          zip(table_row(markdown, "Table 4", "method"), table_row(markdown, "Table 4", "UN"))}
     assert un["box AP"] == "45.6 / 42.0 ± 2.0 (n=3)"
     assert un["box AP50"] == "67.6 / 60.5 ± 0.7 (n=2); broken 1/3"
     assert un["mask AP"] == "41.4 / not defined 3/3"  # recorded null: by design
@@ -150,14 +169,14 @@ def test_a_composed_norm_is_its_method_and_weight_standardization_a_change(tmp_p
     markdown = make_tables(runs, tmp_path / "out")
     assert table_row(markdown, "Table 2", "BCN")[1] == "— / 70.0 (n=1)†"
     assert table_row(markdown, "Table 2", "EvoNorm-S0")[1] == "— / 60.0 (n=1)"
-    settings = "CPU-scale settings: swin_t imagenet"
+    settings = "CPU-scale settings: swin_t imagenet, run on digits"
     assert table_row(markdown, settings, "BCN")[1:3] == ["70.0 (n=1)†", "—"]
     assert table_row(markdown, settings, "BCN ws=transformer")[1:3] == ["10.0 (n=1)†", "BCN"]
 
 
 def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     runs = tmp_path / "runs"
-    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco"}
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco", "data": "shapes"}
     write_run(runs, "mask_un", **detection, metrics={"bbox_AP": 45.0, "segm_AP": 40.5, "segm_AP50": 64.0})
     write_run(runs, "faster_ln", **{**detection, "model": "faster_rcnn_swin_t"}, norm="ln",
               status="FAIL", fail_step=77)
@@ -166,10 +185,12 @@ def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     markdown = make_tables(runs, tmp_path / "out")
     header = table_row(markdown, "Table 4", "method")
     un = dict(zip(header, table_row(markdown, "Table 4", "UN")))
+    assert header[1] == "box AP (ours on shapes)"
+    un = {column.removesuffix(" (ours on shapes)"): cell for column, cell in un.items()}
     assert un["box AP"] == "45.6 / 45.0 (n=1)" and un["mask AP"] == "41.4 / 40.5 (n=1)"
     assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / not defined 1/1"
     assert table_row(markdown, "Table 3", "LN")[1] == "45.5 / FAIL 1/1 (step 77)"
-    window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP")
+    window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP, run on shapes")
     assert window[1:] == ["42.0 (n=1); vs default -3.0 (n=1 vs 1: no test)", "—", "—", "—", "—"]
 
 
@@ -191,7 +212,7 @@ def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
                                               "norm.window_size=6"],
               norm_options=options, metrics={"top1": 75.0})
     markdown = make_tables(runs, tmp_path / "out")
-    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
+    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")
     assert window[1:] == ["70.0 (n=1); vs default -11.0 (n=1 vs 3: no test)", "81.0 ± 1.0 (n=3)",
                           "75.0 (n=1); vs default -6.0 (n=1 vs 3: no test)", "—", "—"]
     assert table_row(markdown, "Table 5", "1")[-1] == "81.0 ± 1.0 (n=3)"
@@ -311,7 +332,7 @@ def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp
 def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
                  overrides=(), batch_size=16, **metrics) -> None:
     """A language-modelling run with a two-point validation curve in its metrics.jsonl."""
-    write_run(root, name, task="language_modelling", model="llama_cpu", exp_data="lm_cpu",
+    write_run(root, name, task="language_modelling", model="llama_cpu", exp_data="lm_cpu", data="lm_cpu",
               scale="cpu", norm=norm, seed=seed, norm_position=position, batch_size=batch_size,
               accumulate=1, overrides=[*overrides, f"seed={seed}"],
               metrics={"val_loss": val_loss, "tokens": 737280, **metrics})
@@ -443,7 +464,7 @@ def test_training_through_the_norms_has_its_table_tested_against_base(tmp_path):
                     str(tmp_path / "out"), "--benchmarks", str(bench)], cwd=ROOT, check=True,
                    capture_output=True)
     markdown = (tmp_path / "out" / "tables.md").read_text()
-    title = "Training through the norms: swin_t imagenet, top1"
+    title = "Training through the norms: swin_t imagenet, top1, run on digits"
     header = markdown.split(f"## {title}")[1].splitlines()[2]
     assert header == "| norm | base | SAM-ON | norm only |"
     p = stats.ttest_ind(sam_on, base, equal_var=False).pvalue
@@ -523,11 +544,12 @@ def test_the_attention_logit_table_gives_each_rates_median_and_max_with_how_runs
             if multiple != 1:
                 over.append(f"lr_multiple={multiple:g}")
             write_run(runs, f"{norm}-{multiple:g}-{seed}", task="language_modelling",
-                      model="llama_cpu", exp_data="lm_c4", norm=norm, norm_position="pre",
+                      model="llama_cpu", exp_data="lm_c4", data="lm_cpu", norm=norm, norm_position="pre",
                       scale="cpu", seed=seed, chance=chance, status=status, metrics=metrics,
                       overrides=over)
     markdown = make_tables(runs, tmp_path / "out")
-    title = "Attention logits: llama_cpu lm_c4, the largest at the end by learning-rate multiple"
+    title = ("Attention logits: llama_cpu lm_c4, the largest at the end by learning-rate multiple, "
+             "run on lm_cpu")
     row = table_row(markdown, title, "Pre-LN")
     assert row[1:] == ["10 (max 20, n=3)", "—", "5.1e+05 (max 1e+06, n=2; chance 1)"]
     with pytest.raises(AssertionError):
@@ -664,7 +686,7 @@ def test_the_papers_fail_and_ours_read_apart(tmp_path):
     """A paper's FAIL says it is the paper's; ours carries how many collapsed and when."""
     runs = tmp_path / "runs"
     write_run(runs, "nonorm", task="translation", model="transformer_iwslt_de_en",
-              exp_data="iwslt14", norm="nonorm", status="FAIL", fail_step=77)
+              exp_data="iwslt14", data="synthetic_mt", norm="nonorm", status="FAIL", fail_step=77)
     markdown = make_tables(runs, tmp_path / "out")
     assert table_row(markdown, "Table 1", "NoNorm")[1] == "FAIL (paper) / FAIL 1/1 (step 77)"
 
