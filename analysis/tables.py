@@ -105,12 +105,53 @@ def _text(cell) -> str:
     return cell if isinstance(cell, str) else cell[0]
 
 
+#: what the paper measured under each key of its sweep and ablation tables (tables.yaml), in
+#: our names: (model, dataset, metric); Tables 5, 6 and 10's COCO numbers are Mask R-CNN 1x's
+PAPER_MEASURES = {"box_AP": ("mask_rcnn_swin_t", "coco", "bbox_AP"),
+                  "mask_AP": ("mask_rcnn_swin_t", "coco", "segm_AP"),
+                  "bleu": ("transformer_iwslt_de_en", "iwslt14", "bleu"),
+                  "t2t_vit_14_imagenet": ("t2t_vit_14", "imagenet", "top1"),
+                  "swin_t_imagenet": ("swin_t", "imagenet", "top1"),
+                  "faster_rcnn_box_AP": ("faster_rcnn_swin_t", "coco", "bbox_AP"),
+                  "mask_rcnn_box_AP": ("mask_rcnn_swin_t", "coco", "bbox_AP"),
+                  "mask_rcnn_mask_AP": ("mask_rcnn_swin_t", "coco", "segm_AP")}
+
+
+def paper_measure(key: str) -> tuple[str, str, str]:
+    """``PAPER_MEASURES[key]``, or an error saying where to add a new key's."""
+    if key not in PAPER_MEASURES:
+        raise ValueError(f"results/paper/tables.yaml: {key!r} has no entry in "
+                         f"analysis.tables.PAPER_MEASURES; add the model, dataset and metric "
+                         f"the paper measured under it")
+    return PAPER_MEASURES[key]
+
+
+def paper_label(key: str) -> str:
+    """``paper: mask_rcnn_swin_t coco bbox_AP``, as ours read ``ours: swin_t imagenet top1``."""
+    return "paper: " + " ".join(paper_measure(key))
+
+
+def metrics_note(keys: list[str], ours: list[tuple], across: str) -> str:
+    """A table's note where some of ``ours`` (``(place, metric)``) measure a model or metric
+    none of the paper's numbers (``keys``) do, so that the two are read apart ("" where
+    every one of ours has a paper counterpart)."""
+    paper = {(model, metric) for model, _, metric in map(paper_measure, keys)}
+    other = [f"{place_name(place)} {metric}" for place, metric in ours if (place[1], metric) not in paper]
+    if not other:
+        return ""
+    return (f"Not the paper's metric: {', '.join(other)} of ours {'is' if len(other) == 1 else 'are'} "
+            f"another model or metric than the paper's numbers beside "
+            f"{'it' if len(other) == 1 else 'them'} ({', '.join(' '.join(paper_measure(k)) for k in keys)}): "
+            f"compare how each changes across {across}, not the numbers.")
+
+
 def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
-    """Columns: the swept values; rows: the paper's metrics, then ours: UN runs that change
-    nothing but ``key`` (the experiment's own runs count at their configured value), a row
-    per (task, model, data) where ``key`` was swept, in that task's metric."""
+    """Columns: the swept values; rows: the paper's (``paper_rows``: its key in tables.yaml ->
+    numbers), then ours: UN runs that change nothing but ``key`` (the experiment's own runs
+    count at their configured value), a row per (task, model, data) where ``key`` was swept,
+    in that task's metric; each row names its model and metric."""
     header = [key] + [str(v) for v in values]
-    rows = [[name] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
+    rows = [[paper_label(name)] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
     unswept = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None
                and all(item.lstrip("+").startswith(key) for item in changes(r))]
     swept = {where(r) for r in unswept if override_value(r, key) is not None}
@@ -128,7 +169,9 @@ def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
         rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs default "),
                  [f"ours: vs default: against UN as configured (the column holding its runs). "
-                  f"{comparisons.note()}"])
+                  f"{comparisons.note()}",
+                  metrics_note(list(paper_rows), [(place, TASK_METRIC[place[0]]) for place in sorted(swept)],
+                               key)])
 
 
 def _same(text: Optional[str], value) -> bool:
@@ -141,11 +184,13 @@ def _same(text: Optional[str], value) -> bool:
 
 
 def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
-    """Rows: the paper's component experiments; ours: a column per (task, model, data) of UN
-    runs with ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default)."""
+    """Rows: the paper's component experiments, its numbers under ``metrics`` (keys of
+    tables.yaml); ours: a column per (task, model, data) of UN runs with
+    ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default). Each
+    column names its model and metric."""
     un = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None]
     groups = sorted({where(r) for r in un if override_value(r, "ablation")})
-    header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
+    header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [paper_label(m) for m in metrics]
               + [f"ours: {place_name(place)} {TASK_METRIC[place[0]]}"
                  f"{ran_on(place, [r for r in un if where(r) == place])}" for place in groups])
     comparisons = Comparisons()
@@ -163,7 +208,9 @@ def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
                                                            metric)))
         rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs Exp1 "),
-                 [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}"])
+                 [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}",
+                  metrics_note(metrics, [(place, TASK_METRIC[place[0]]) for place in groups],
+                               "the experiments")])
 
 
 def stability_tables(runs: list[dict]) -> list[Table]:
@@ -685,18 +732,18 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
         ablation_table("Table 5: UN components, Mask R-CNN 1x", paper["table5_ablation_mask_rcnn_12ep"],
                        ["box_AP", "mask_AP"], runs),
         sweep_table("Table 6: window size M", paper["table6_window_size_mask_rcnn_12ep"]["M"],
-                    {f"paper {k}": v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items()
-                     if k != "M"}, runs, "norm.window_size"),
+                    {k: v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items() if k != "M"},
+                    runs, "norm.window_size"),
         sweep_table("Table 7: outlier filtration", [True, False],
-                    {f"paper {k}": [paper["table7_outlier_filtration"]["with"][k],
-                                    paper["table7_outlier_filtration"]["without"][k]]
+                    {k: [paper["table7_outlier_filtration"]["with"][k],
+                         paper["table7_outlier_filtration"]["without"][k]]
                      for k in paper["table7_outlier_filtration"]["with"]},
                     runs, "norm.outlier_filtration"),
         efficiency_table(paper["table8_efficiency_swin_t"], benchmarks),
         ablation_table("Table 9: UN components, IWSLT14 BLEU", paper["table9_ablation_iwslt14"],
                        ["bleu"], [r for r in runs if r.get("task") == "translation"]),
         sweep_table("Table 10: momentum alpha", paper["table10_alpha"]["alpha"],
-                    {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
+                    {k: v for k, v in paper["table10_alpha"].items() if k != "alpha"},
                     runs, "norm.momentum"),
     ]
     tables += (lm_tables(runs) + stability_tables(runs) + sensitivity_tables(runs)

@@ -219,6 +219,45 @@ def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
     assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1); vs Exp1 -21.0 (n=1 vs 3: no test)"
 
 
+def test_a_restricted_sweep_lands_in_its_paper_table_with_each_rows_metric_named(tmp_path):
+    """The documented ``+exp=swin_t_un scale=cpu +sweep=window_size norm.window_size=2,8``:
+    its jobs' records land in Table 6 and in the settings table as the plain change, never
+    as a ``+sweep`` setting; the paper's rows (Mask R-CNN box and mask AP) and ours (top-1)
+    are named by model and metric, and the note says they differ where they do."""
+    from analysis.tables import paper_label
+    runs = tmp_path / "runs"
+    cpu = {"scale": "cpu", "norm_options": {"window_size": 4}}
+    for seed, top1 in enumerate([80.0, 82.0]):
+        write_run(runs, f"un{seed}", seed=seed, overrides=["+exp=swin_t_un", "scale=cpu", f"seed={seed}"],
+                  metrics={"top1": top1}, **cpu)
+    for size, top1 in ((2, 70.0), (8, 75.0)):
+        write_run(runs, f"sweep_m{size}", overrides=["+exp=swin_t_un", "scale=cpu", "+sweep=window_size",
+                                                     f"norm.window_size={size}"],
+                  metrics={"top1": top1}, **cpu)
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco", "data": "shapes"}
+    write_run(runs, "mask_m2", **detection, **cpu, overrides=["+sweep=window_size", "norm.window_size=2"],
+              metrics={"bbox_AP": 30.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    table6 = markdown.split("## Table 6")[1].split("## ")[0]
+    assert table_row(markdown, "Table 6", "paper: mask_rcnn_swin_t coco bbox_AP")[1:] == [
+        "42.8", "42.8", "42.8", "42.8", "42.5"]
+    assert table_row(markdown, "Table 6", "paper: mask_rcnn_swin_t coco segm_AP")[1] == "39.2"
+    assert table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")[1:] == [
+        "70.0 (n=1)†; vs default -11.0 (n=1 vs 2: no test)", "81.0 ± 1.4 (n=2)†", "—",
+        "75.0 (n=1)†; vs default -6.0 (n=1 vs 2: no test)", "—"]
+    assert table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP, run on shapes")[1] == "30.0 (n=1)†"
+    assert ("Not the paper's metric: swin_t imagenet top1 of ours is another model or metric than "
+            "the paper's numbers beside it (mask_rcnn_swin_t coco bbox_AP, mask_rcnn_swin_t coco "
+            "segm_AP)") in table6  # the detector's box AP is the paper's metric: not named
+    settings = "CPU-scale settings: swin_t imagenet, run on digits"
+    assert table_row(markdown, settings, "UN norm.window_size=2")[1] == "70.0 (n=1)†"
+    assert "+sweep" not in markdown
+    table9 = markdown.split("## Table 9")[1].split("## ")[0]
+    assert "paper: transformer_iwslt_de_en iwslt14 bleu" in table9 and "Not the paper's" not in table9
+    with pytest.raises(ValueError, match="top5.*PAPER_MEASURES"):
+        paper_label("top5")
+
+
 def test_stability_map_table_and_figure(tmp_path):
     runs = tmp_path / "runs"
     t2t = {"model": "t2t_vit_14", "exp_data": "digits", "scale": "cpu",
