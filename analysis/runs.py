@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -58,6 +59,62 @@ def load_runs(root: Path) -> list[dict]:
             run["overrides"] = [current_spelling(item) for item in run["overrides"]]
         runs.append(run)
     return runs
+
+
+def broken_metric(run: dict, metric: str) -> Optional[str]:
+    """Why a run that learned gives no number for ``metric`` though one is expected (``top1
+    missing``, ``top1 is 'n/a', not a number``), or None. Not broken: a number, or a metric
+    not defined for the run, recorded null or, other than the task's own (``TASK_METRIC``,
+    which every finished run records), left out, as COCO evaluation leaves out an area range
+    without ground truth (``bbox_APl`` on shapes) and a box-only detector's mask AP."""
+    metrics = run.get("metrics")
+    if not isinstance(metrics, dict):
+        return "no metrics"
+    value = metrics.get(metric)
+    if value is None:
+        if metric != TASK_METRIC.get(run.get("task", "classification")):
+            return None
+        return f"{metric} {'null' if metric in metrics else 'missing'}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"{metric} is {value!r}, not a number"
+    return None
+
+
+def broken_records(runs: list[dict]) -> dict[Path, tuple[bool, list[str]]]:
+    """``{result.json: (skipped, whys)}`` for each run that learned (status ok) with a value
+    ``broken_metric`` finds broken: its task's metric (then the run counts in no table:
+    skipped) or any other it records, but the probes' flags and per-layer lists."""
+    broken = {}
+    for run in runs:
+        if run.get("status") != "ok":
+            continue
+        task_metric = TASK_METRIC.get(run.get("task", "classification"))
+        recorded = run.get("metrics") if isinstance(run.get("metrics"), dict) else {}
+        others = [m for m, value in recorded.items()
+                  if m != task_metric and not isinstance(value, (bool, list))]
+        whys = [why for metric in [task_metric, *others] if (why := broken_metric(run, metric))]
+        if whys:
+            skipped = broken_metric(run, task_metric) is not None
+            broken[Path(run["_path"]) / "result.json"] = (skipped, whys)
+    return broken
+
+
+def runs_read(runs: list[dict]) -> str:
+    """``1361 runs read, none skipped`` (``broken_records``)."""
+    skipped = sum(whole for whole, _ in broken_records(runs).values())
+    return f"{len(runs)} runs read, {skipped or 'none'} skipped"
+
+
+def broken_text(runs: list[dict]) -> str:
+    """Each broken record (``broken_records``) named with why and the fix ("" without any)."""
+    broken = broken_records(runs)
+    if not broken:
+        return ""
+    return ("Broken records (status ok, but no number where one is expected), skipped whole "
+            "where that is the task's metric, else counted in their cells as 'broken k/n': fix "
+            "them from the run's metrics.jsonl, re-run them, or move their folders out of the "
+            "runs read. " + "; ".join(f"{path}{' (skipped)' if whole else ''}: {', '.join(whys)}"
+                                      for path, (whole, whys) in broken.items()))
 
 
 def current_spelling(override: str) -> str:

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from scipy import stats
 
-from analysis.runs import superseded_warmup
+from analysis.runs import broken_metric, superseded_warmup
 
 
 @dataclass
@@ -18,9 +18,25 @@ class Cell:
 
     runs: list = field(default_factory=list)
 
+    def learned(self) -> list[dict]:
+        """The runs that learned (status ``ok``: not collapsed, not at chance)."""
+        return [r for r in self.runs if r["status"] == "ok"]
+
     def values(self, metric: str) -> list[float]:
-        """The metric of every run that learned (status ``ok``: not collapsed, not at chance)."""
-        return [r["metrics"][metric] for r in self.runs if r["status"] == "ok" and metric in r["metrics"]]
+        """The metric of every run that learned and records it as a number; ``undefined``
+        and ``broken`` hold the others."""
+        return [r["metrics"][metric] for r in self.learned()
+                if not broken_metric(r, metric) and r["metrics"].get(metric) is not None]
+
+    def undefined(self, metric: str) -> list[dict]:
+        """The runs that learned for which ``metric`` is not defined (``broken_metric``)."""
+        return [r for r in self.learned()
+                if not broken_metric(r, metric) and r["metrics"].get(metric) is None]
+
+    def broken(self, metric: str) -> list[dict]:
+        """The runs that learned whose record gives no number for ``metric`` though one is
+        expected (``broken_metric``)."""
+        return [r for r in self.learned() if broken_metric(r, metric)]
 
     def text(self, metric: str) -> str:
         if not self.runs:
@@ -35,12 +51,23 @@ class Cell:
         if ok:
             spread = f" ± {statistics.stdev(ok):.{digits}f}" if len(ok) > 1 else ""
             parts.append(f"{statistics.mean(ok):.{digits}f}{spread} (n={len(ok)})")
+        for name, runs in (("not defined", self.undefined(metric)), ("broken", self.broken(metric))):
+            if runs:
+                parts.append(f"{name} {len(runs)}/{len(self.runs)}")
         if chance:
             parts.append(f"chance {len(chance)}/{len(self.runs)}")
         if failed:
             steps = ", ".join(str(r["fail_step"]) for r in failed)
             parts.append(f"FAIL {len(failed)}/{len(self.runs)} (step {steps})")
-        return "; ".join(parts) + dagger if parts else "—"  # e.g. no large objects: no APl
+        return "; ".join(parts) + dagger if parts else "—"
+
+
+#: the notes of a table whose cells count runs without a number (``Cell.text``)
+CELL_NOTES = {"not defined": "'not defined k/n': k runs that learned have no such number by design "
+                             "(recorded null; COCO evaluation leaves out an area range without "
+                             "ground truth, e.g. APl on data without large objects).",
+              "broken": "'broken k/n': k runs that learned have a record that gives no number "
+                        "for the metric (missing or not a number), each named by make_tables.py."}
 
 
 def welch_p(values: list[float], baseline: list[float]) -> float:
@@ -59,6 +86,10 @@ SIGNIFICANCE_NOTE = ("{n} in this table: the difference of means and Welch's p "
                      "correction over the table's comparisons. Means and tests take the runs that "
                      "learned; 'chance k/n' runs finished no better than chance, FAIL runs "
                      "collapsed.")
+#: what a difference printed without p means, by the reason there is no test
+UNTESTED_NOTES = {"n": "A difference without p ('n=1 vs 3: no test'): the difference of means, "
+                       "where a side has a single run that learned, too few for Welch's test.",
+                  "spread": "'no spread: no test': every run on both sides ended alike."}
 
 
 def holm(pvalues: list[float]) -> list[float]:
@@ -101,16 +132,29 @@ class Comparisons:
     def count(self) -> int:
         return sum(1 for result in self.results() if result is not None and result[1] is not None)
 
+    def untested(self) -> set[str]:
+        """Why some differences have no test: ``n`` (a side with one run), ``spread``."""
+        return {"n" if result is None else "spread"
+                for (values, baseline, _), result in zip(self.tests, self.results())
+                if values and baseline and (result is None or result[1] is None)}
+
     def texts(self) -> list[str]:
+        """Each test's text: the difference of means wherever both sides have a run, with
+        Welch's p and its marks where both have two."""
         results = self.results()
         tested = [i for i, r in enumerate(results) if r is not None and r[1] is not None]
         adjusted = dict(zip(tested, holm([results[i][1] for i in tested])))
         texts = []
         for index, result in enumerate(results):
-            if result is None:
+            values, baseline, digits = self.tests[index]
+            if not values or not baseline:
                 texts.append("—")
                 continue
-            (difference, p), digits = result, self.tests[index][2]
+            if result is None:
+                difference = statistics.mean(values) - statistics.mean(baseline)
+                texts.append(f"{difference:+.{digits}f} (n={len(values)} vs {len(baseline)}: no test)")
+                continue
+            difference, p = result
             if p is None:
                 texts.append(f"{difference:+.{digits}f} (no spread: no test)")
                 continue
@@ -119,9 +163,11 @@ class Comparisons:
         return texts
 
     def note(self) -> str:
-        """The table's note on its tests ("" without any)."""
+        """The table's note on its tests and on its differences without one ("" without any)."""
         count = self.count
-        return SIGNIFICANCE_NOTE.format(n=f"{count} comparison{'s' if count > 1 else ''}") if count else ""
+        notes = [SIGNIFICANCE_NOTE.format(n=f"{count} comparison{'s' if count > 1 else ''}")] if count else []
+        untested = self.untested()
+        return " ".join(notes + [text for why, text in UNTESTED_NOTES.items() if why in untested])
 
 
 def with_tests(rows: list[list], comparisons: Comparisons, prefix: str = "") -> list[list[str]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -21,15 +22,16 @@ from matplotlib.figure import Figure
 
 from .plots import save_figure
 from .sensitivity import bounded, chance_bound, sensitivity
-from .significance import DIGITS
-from .runs import (LOWER_IS_BETTER, STABILITY_KEY, TASK_METRIC, figure_args, ladder, load_runs,
-                   method_order)
+from .significance import DIGITS, Cell
+from .runs import (LOWER_IS_BETTER, STABILITY_KEY, TASK_METRIC, broken_text, figure_args, ladder,
+                   load_runs, method_order, runs_read)
 
 
 def outcomes(runs: list[dict], metric: str) -> dict[str, list]:
     """``{"ok": [metric of each run that learned], "chance": [metric of each run that finished
-    no better than chance], "fail": [step of each collapse]}``."""
-    return {"ok": [r["metrics"][metric] for r in runs if r["status"] == "ok"],
+    no better than chance], "fail": [step of each collapse]}``; a run that learned without
+    a number for the metric is left to ``runs_read``'s count (``Cell.values``)."""
+    return {"ok": Cell(runs).values(metric),
             "chance": [r["metrics"][metric] for r in runs if r["status"] == "chance"],
             "fail": [r["fail_step"] for r in runs if r["status"] == "FAIL"]}
 
@@ -82,7 +84,11 @@ def plot_stability(settings: dict[str, dict[float, list[dict]]], title: str, met
 
 def main(argv=None) -> None:
     args = figure_args(__doc__.splitlines()[0], "stability", argv)
-    points = ladder(load_runs(args.runs))
+    runs = load_runs(args.runs)
+    print(runs_read(runs))
+    if broken_text(runs):
+        print(broken_text(runs), file=sys.stderr)
+    points = ladder(runs)
     if not points:
         raise SystemExit(f"no runs with {STABILITY_KEY} under {args.runs}: run the ladder first "
                          "(python scripts/train.py +exp=<exp> scale=cpu +sweep=stability)")

@@ -3,22 +3,25 @@ LaTeX (``scripts/make_tables.py`` writes them). Reads run records and benchmark 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from analysis.runs import (LOWER_IS_BETTER, METHOD_NORMS, NORM_METHODS, PLACEMENT_NAMES, STABILITY_KEY,
-                           TASK_METRIC, changes, ladder, method_order, micro_batch, option_value,
-                           override_value, setting, where)
+                           TASK_METRIC, broken_text, changes, ladder, method_order, micro_batch,
+                           option_value, override_value, runs_read, setting, where)
 from analysis.sensitivity import (BOOTSTRAP_SAMPLES, MIN_RATES, chance_bound, difference_interval,
                                   sensitivity)
-from analysis.significance import DIGITS, Cell, Comparisons, select, with_tests
+from analysis.significance import CELL_NOTES, DIGITS, Cell, Comparisons, select, with_tests
 
 #: the ways of training through the norms (sam=..., train_only=...): tabled on their own
 TRAINING_THROUGH_NORMS = ("sam=", "train_only=")
 CPU_NOTE = ("† CPU scale (scale=cpu) on the project's small data (digits, synthetic corpus, "
-            "generated shapes), not the paper's dataset or schedule.")
+            "generated shapes), not the paper's dataset or schedule. Ours are named by the "
+            "experiment, as the paper's model and dataset ('swin_t imagenet'), and by the data "
+            "they ran on where that is another ('run on digits'; a column: 'ours on digits').")
 
 
 SUPERSEDED_NOTE = ("‡ with runs whose norm warm-up ended before its running averages had "
@@ -35,7 +38,8 @@ def is_default(run: dict) -> bool:
 
 
 def paper_text(value) -> str:
-    return "—" if value is None else str(value)
+    """A paper's number as printed; its FAIL says whose, beside ours (``FAIL 1/3 (step 50)``)."""
+    return "—" if value is None else "FAIL (paper)" if value == "FAIL" else str(value)
 
 
 @dataclass
@@ -47,14 +51,18 @@ class Table:
 
 
 def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
-    """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric)."""
-    header = ["method"] + list(columns)
+    """Rows: methods; each cell "paper / ours". ``columns``: name -> (model, data, metric), the
+    paper's column and the runs of ours for it, whose header names the data they ran on."""
     cells = {(norm, column): select(runs, task=lambda r: r.get("task") == task,
                                     norm=lambda r, n=norm: r.get("norm") == n,
                                     model=lambda r, m=model: m is None or r.get("model") == m,
                                     data=lambda r, d=data: r.get("exp_data") == d,
                                     default=is_default)
              for norm in METHOD_NORMS.values() for column, (model, data, _) in columns.items()}
+    header = ["method"]
+    for column in columns:
+        ran = [r for norm in METHOD_NORMS.values() for r in cells[(norm, column)].runs]
+        header.append(f"{column} (ours on {data_ran(ran)})" if ran else column)
     comparisons = Comparisons()
     rows = []
     for method, norm in METHOD_NORMS.items():
@@ -68,30 +76,91 @@ def method_table(title, paper: dict, runs, columns: dict, task: str) -> Table:
         if any(_text(cell) != "— / —" for cell in row[1:]):
             rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs LN "),
-                 ["Each cell: paper / ours; vs LN: our difference from LN's runs in the column.",
+                 ["Each cell: paper (on the column's dataset) / ours (on the data the header "
+                  "names); vs LN: our difference from LN's runs in the column.",
                   comparisons.note()])
+
+
+def data_ran(runs: list[dict]) -> str:
+    """The data ``runs`` trained on (result.json's ``data``: ``digits`` at CPU scale), which
+    the tables name beside the experiment's dataset they group runs by (``exp_data``)."""
+    return ", ".join(sorted({str(r.get("data", "unrecorded data")) for r in runs}))
+
+
+def ran_on(place: tuple, runs: list[dict]) -> str:
+    """``, run on digits``: the data a place's runs trained on, where that is not the
+    experiment's dataset that names the place (``swin_t imagenet``: the paper's); "" where
+    it is."""
+    data = data_ran(runs)
+    return "" if data == place[2] else f", run on {data}"
+
+
+def place_name(place: tuple) -> str:
+    """``swin_t imagenet``: a place's model and its experiment's dataset, as the tables (and
+    the prose's table titles) name it."""
+    return f"{place[1]} {place[2]}"
 
 
 def _text(cell) -> str:
     return cell if isinstance(cell, str) else cell[0]
 
 
+#: what the paper measured under each key of its sweep and ablation tables (tables.yaml), in
+#: our names: (model, dataset, metric); Tables 5, 6 and 10's COCO numbers are Mask R-CNN 1x's
+PAPER_MEASURES = {"box_AP": ("mask_rcnn_swin_t", "coco", "bbox_AP"),
+                  "mask_AP": ("mask_rcnn_swin_t", "coco", "segm_AP"),
+                  "bleu": ("transformer_iwslt_de_en", "iwslt14", "bleu"),
+                  "t2t_vit_14_imagenet": ("t2t_vit_14", "imagenet", "top1"),
+                  "swin_t_imagenet": ("swin_t", "imagenet", "top1"),
+                  "faster_rcnn_box_AP": ("faster_rcnn_swin_t", "coco", "bbox_AP"),
+                  "mask_rcnn_box_AP": ("mask_rcnn_swin_t", "coco", "bbox_AP"),
+                  "mask_rcnn_mask_AP": ("mask_rcnn_swin_t", "coco", "segm_AP")}
+
+
+def paper_measure(key: str) -> tuple[str, str, str]:
+    """``PAPER_MEASURES[key]``, or an error saying where to add a new key's."""
+    if key not in PAPER_MEASURES:
+        raise ValueError(f"results/paper/tables.yaml: {key!r} has no entry in "
+                         f"analysis.tables.PAPER_MEASURES; add the model, dataset and metric "
+                         f"the paper measured under it")
+    return PAPER_MEASURES[key]
+
+
+def paper_label(key: str) -> str:
+    """``paper: mask_rcnn_swin_t coco bbox_AP``, as ours read ``ours: swin_t imagenet top1``."""
+    return "paper: " + " ".join(paper_measure(key))
+
+
+def metrics_note(keys: list[str], ours: list[tuple], across: str) -> str:
+    """A table's note where some of ``ours`` (``(place, metric)``) measure a model or metric
+    none of the paper's numbers (``keys``) do, so that the two are read apart ("" where
+    every one of ours has a paper counterpart)."""
+    paper = {(model, metric) for model, _, metric in map(paper_measure, keys)}
+    other = [f"{place_name(place)} {metric}" for place, metric in ours if (place[1], metric) not in paper]
+    if not other:
+        return ""
+    return (f"Not the paper's metric: {', '.join(other)} of ours {'is' if len(other) == 1 else 'are'} "
+            f"another model or metric than the paper's numbers beside "
+            f"{'it' if len(other) == 1 else 'them'} ({', '.join(' '.join(paper_measure(k)) for k in keys)}): "
+            f"compare how each changes across {across}, not the numbers.")
+
+
 def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
-    """Columns: the swept values; rows: the paper's metrics, then ours: UN runs that change
-    nothing but ``key`` (the experiment's own runs count at their configured value), a row
-    per (task, model, data) where ``key`` was swept, in that task's metric."""
+    """Columns: the swept values; rows: the paper's (``paper_rows``: its key in tables.yaml ->
+    numbers), then ours: UN runs that change nothing but ``key`` (the experiment's own runs
+    count at their configured value), a row per (task, model, data) where ``key`` was swept,
+    in that task's metric; each row names its model and metric."""
     header = [key] + [str(v) for v in values]
-    rows = [[name] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
+    rows = [[paper_label(name)] + [paper_text(v) for v in numbers] for name, numbers in paper_rows.items()]
     unswept = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None
                and all(item.lstrip("+").startswith(key) for item in changes(r))]
     swept = {where(r) for r in unswept if override_value(r, key) is not None}
     comparisons = Comparisons()
     for place in sorted(swept):
-        task, model, data = place
-        metric = TASK_METRIC[task]
+        metric = TASK_METRIC[place[0]]
         group = [r for r in unswept if where(r) == place]
         default = Cell([r for r in group if not changes(r)]).values(metric)
-        row: list = [f"ours: {model} {data} {metric}"]
+        row: list = [f"ours: {place_name(place)} {metric}{ran_on(place, group)}"]
         for v in values:
             cell = Cell([r for r in group if _same(option_value(r, key), v)])
             has_default = any(not changes(r) for r in cell.runs)
@@ -100,7 +169,9 @@ def sweep_table(title, values: list, paper_rows: dict, runs, key: str) -> Table:
         rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs default "),
                  [f"ours: vs default: against UN as configured (the column holding its runs). "
-                  f"{comparisons.note()}"])
+                  f"{comparisons.note()}",
+                  metrics_note(list(paper_rows), [(place, TASK_METRIC[place[0]]) for place in sorted(swept)],
+                               key)])
 
 
 def _same(text: Optional[str], value) -> bool:
@@ -113,12 +184,15 @@ def _same(text: Optional[str], value) -> bool:
 
 
 def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
-    """Rows: the paper's component experiments; ours: a column per (task, model, data) of UN
-    runs with ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default)."""
+    """Rows: the paper's component experiments, its numbers under ``metrics`` (keys of
+    tables.yaml); ours: a column per (task, model, data) of UN runs with
+    ``+ablation=un_expN`` (Exp1, every component on, is the experiment's default). Each
+    column names its model and metric."""
     un = [r for r in runs if r.get("norm") == "un" and override_value(r, STABILITY_KEY) is None]
     groups = sorted({where(r) for r in un if override_value(r, "ablation")})
-    header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [f"{m} paper" for m in metrics]
-              + [f"ours: {model} {data} {TASK_METRIC[task]}" for task, model, data in groups])
+    header = (["exp", "fwd_gm", "bwd_am", "bwd_ema"] + [paper_label(m) for m in metrics]
+              + [f"ours: {place_name(place)} {TASK_METRIC[place[0]]}"
+                 f"{ran_on(place, [r for r in un if where(r) == place])}" for place in groups])
     comparisons = Comparisons()
     rows = []
     for item in paper_rows:
@@ -134,15 +208,17 @@ def ablation_table(title, paper_rows: list, metrics: list[str], runs) -> Table:
                                                            metric)))
         rows.append(row)
     return Table(title, header, with_tests(rows, comparisons, "; vs Exp1 "),
-                 [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}"])
+                 [f"ours: vs Exp1: against UN as configured (every component on). {comparisons.note()}",
+                  metrics_note(metrics, [(place, TASK_METRIC[place[0]]) for place in groups],
+                               "the experiments")])
 
 
 def stability_tables(runs: list[dict]) -> list[Table]:
     """The stability map: per model, every setting at each learning-rate multiple, as the
     collapsed fraction and the mean metric of the runs that did not collapse."""
     tables = []
-    for (task, model, data), settings in sorted(ladder(runs).items()):
-        metric = TASK_METRIC[task]
+    for place, settings in sorted(ladder(runs).items()):
+        task, metric = place[0], TASK_METRIC[place[0]]
         multiples = sorted({m for cells in settings.values() for m in cells})
         comparisons = Comparisons(DIGITS.get(metric, 1))
         reference = reference_method(task)
@@ -156,7 +232,8 @@ def stability_tables(runs: list[dict]) -> list[Table]:
                 row.append(cell.text(metric) if label == ours or not cell.runs else
                            (cell.text(metric), comparisons.add(cell.values(metric), baseline.values(metric))))
             rows.append(row)
-        tables.append(Table(f"Stability: {model} {data}, {metric} by learning-rate multiple",
+        tables.append(Table(f"Stability: {place_name(place)}, {metric} by learning-rate multiple"
+                            f"{ran_on(place, on_ladder(settings))}",
                             ["setting"] + [f"{m:g}x lr" for m in multiples],
                             with_tests(rows, comparisons, f"; vs {reference} "),
                             ["FAIL k/n (step ...): k of n seeds collapsed, at those steps; "
@@ -172,8 +249,8 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
     its result there, its sensitivity with a bootstrap interval, and the comparison with the
     reference (LN, Pre-LN) at each one's own best rate beside the one at the recipe's rate."""
     tables = []
-    for (task, model, data), settings in sorted(ladder(runs).items()):
-        metric = TASK_METRIC[task]
+    for place, settings in sorted(ladder(runs).items()):
+        task, metric = place[0], TASK_METRIC[place[0]]
         digits = DIGITS.get(metric, 1)
         bound = chance_bound(settings, metric)
         reference = reference_method(task)
@@ -206,7 +283,7 @@ def sensitivity_tables(runs: list[dict]) -> list[Table]:
             rows.append(row)
         worse = "above" if metric in LOWER_IS_BETTER else "below"
         tables.append(Table(
-            f"Learning-rate sensitivity: {model} {data}, {metric}",
+            f"Learning-rate sensitivity: {place_name(place)}, {metric}{ran_on(place, on_ladder(settings))}",
             ["setting", "best rate", f"{metric} at the best rate",
              "sensitivity [95% bootstrap]", f"sensitivity vs {reference} [95% bootstrap]",
              f"vs {reference}, each at its best", f"vs {reference} at 1x"],
@@ -229,9 +306,8 @@ def attention_logit_tables(runs: list[dict]) -> list[Table]:
     attention logit at the final evaluation, per setting and learning-rate multiple (the median
     over the seeds that recorded it, whatever their status, with their largest)."""
     tables = []
-    for (task, model, data), settings in sorted(ladder(runs).items()):
-        if not any(ATTENTION_LOGIT in r["metrics"] for points in settings.values()
-                   for group in points.values() for r in group):
+    for place, settings in sorted(ladder(runs).items()):
+        if not any(ATTENTION_LOGIT in r["metrics"] for r in on_ladder(settings)):
             continue
         multiples = sorted({m for cells in settings.values() for m in cells})
         rows = []
@@ -247,8 +323,8 @@ def attention_logit_tables(runs: list[dict]) -> list[Table]:
                            f"{'; ' + others if others else ''})" if logits else "—")
             if any(cell != "—" for cell in row[1:]):
                 rows.append(row)
-        tables.append(Table(f"Attention logits: {model} {data}, the largest at the end by "
-                            "learning-rate multiple",
+        tables.append(Table(f"Attention logits: {place_name(place)}, the largest at the end by "
+                            f"learning-rate multiple{ran_on(place, on_ladder(settings))}",
                             ["setting"] + [f"{m:g}x lr" for m in multiples], rows,
                             ["The largest pre-softmax attention logit over the layers and heads, "
                              "on one validation batch at the final evaluation (eval mode): the "
@@ -258,6 +334,11 @@ def attention_logit_tables(runs: list[dict]) -> list[Table]:
                              "out. Wortsman et al. (2023) tie divergence at high rates to this "
                              "logit's growth, and qk-layernorm to bounding it."]))
     return tables
+
+
+def on_ladder(settings: dict[str, dict[float, list[dict]]]) -> list[dict]:
+    """Every run of a place's ladder (``ladder``'s ``{setting: {multiple: [runs]}}``)."""
+    return [r for points in settings.values() for group in points.values() for r in group]
 
 
 def reference_setting(label: str, reference: str, settings) -> str:
@@ -301,9 +382,9 @@ def settings_tables(runs: list[dict]) -> list[Table]:
              and override_value(r, STABILITY_KEY) is None and not through_norms(r)
              and not micro_batch_swept(r)]
     tables = []
-    for task, model, data in sorted({where(r) for r in small}):
-        group = [r for r in small if where(r) == (task, model, data)]
-        metric = TASK_METRIC[task]
+    for place in sorted({where(r) for r in small}):
+        group = [r for r in small if where(r) == place]
+        task, metric = place[0], TASK_METRIC[place[0]]
         labels = sorted({setting(r) for r in group}, key=method_order)
         cells = {label: Cell([r for r in group if setting(r) == label]) for label in labels}
         reference = reference_method(task)
@@ -317,7 +398,7 @@ def settings_tables(runs: list[dict]) -> list[Table]:
             rows.append([label, cell.text(metric), baseline if tested else "—",
                          ("", comparisons.add(cell.values(metric), cells[baseline].values(metric)))
                          if tested else "—"])
-        tables.append(Table(f"CPU-scale settings: {model} {data}",
+        tables.append(Table(f"CPU-scale settings: {place_name(place)}{ran_on(place, group)}",
                             ["setting", metric, "baseline", "vs baseline"],
                             with_tests(rows, comparisons),
                             [f"Baseline: {reference} with the same overrides where that was run, "
@@ -360,7 +441,8 @@ def micro_batch_tables(runs: list[dict]) -> list[Table]:
         images = sorted({micro_batch(r) * r.get("accumulate", 1) * r.get("world_size", 1)
                          for r in group})
         tables.append(Table(
-            f"Micro-batch training: {place[1]} {place[2]}, top-1 (%) by images per micro-batch",
+            f"Micro-batch training: {place_name(place)}, top-1 (%) by images per micro-batch"
+            f"{ran_on(place, group)}",
             ["norm", *map(str, sizes), f"{sizes[0]} vs {sizes[-1]}"],
             with_tests(rows, comparisons, "; vs LN "),
             [f"A norm's batch statistics see the micro-batch in the column; each update "
@@ -414,7 +496,7 @@ def sam_tables(runs: list[dict], benchmarks: Path) -> list[Table]:
                 cell.text(metric) if name == "base" or not cell.runs else
                 (cell.text(metric), comparisons.add(cell.values(metric), base))
                 for name, cell in cells.items()])
-        tables.append(Table(f"Training through the norms: {place[1]} {place[2]}, {metric}",
+        tables.append(Table(f"Training through the norms: {place_name(place)}, {metric}{ran_on(place, group)}",
                             ["norm", *columns], with_tests(rows, comparisons, "; vs base "),
                             ["base: the recipe's optimizer on every parameter (the main runs); "
                              "SAM/ASAM perturb every parameter, -ON only the norms' affine "
@@ -473,7 +555,7 @@ def lm_tables(runs: list[dict]) -> list[Table]:
             rows.append([label, cell.text("val_loss"), "—" if label == "Pre-LN" else
                          ("", comparisons.add(cell.values("val_loss"), baseline)), seen])
         tables.append(Table(
-            f"Language modelling: {place[1]} {place[2]}, validation loss (nats)",
+            f"Language modelling: {place_name(place)}, validation loss (nats){ran_on(place, group)}",
             ["setting", "val_loss", "vs Pre-LN: difference (Welch p)", "sees later tokens"],
             with_tests(rows, comparisons),
             ["Lower is better. 'sees later tokens': training-mode logits at position t move when "
@@ -528,7 +610,8 @@ def embedding_scale_table(place: tuple, group: list[dict]) -> Table:
     rows = with_tests(rows, comparisons, "; vs Pre-LN ")
     for row in rows:
         row.append(verdicts.get(row[0], "—"))
-    return Table(f"Language modelling: {place[1]} {place[2]}, placement under the embedding scale",
+    return Table(f"Language modelling: {place_name(place)}, placement under the embedding scale"
+                 f"{ran_on(place, group)}",
                  ["setting", *(_SCALE_NAMES[k] for k in EMBEDDING_SCALES), "vs Pre-LN under all three"],
                  rows,
                  ["Validation loss (nats); each placement against Pre-LN under the same embedding "
@@ -555,8 +638,8 @@ def batch_table(place: tuple, group: list[dict], sizes: list[int]) -> Table:
                                          for size in sizes])
     tokens = sorted({r["metrics"]["tokens"] for c in cells.values() for r in c.runs
                      if "tokens" in r.get("metrics", {})})
-    return Table(f"Language modelling: {place[1]} {place[2]}, validation loss by batch size "
-                 "(sequences per update, same training tokens)",
+    return Table(f"Language modelling: {place_name(place)}, validation loss by batch size "
+                 f"(sequences per update, same training tokens){ran_on(place, group)}",
                  ["setting"] + [str(size) for size in sizes], with_tests(rows, comparisons),
                  [f"{comparisons.note()} No run accumulates: UN's and LN's statistics see the "
                   f"batch size in the column. Training tokens per run: {', '.join(map(str, tokens))}."])
@@ -649,23 +732,27 @@ def build_tables(paper: dict, runs: list[dict], benchmarks: Path) -> list[Table]
         ablation_table("Table 5: UN components, Mask R-CNN 1x", paper["table5_ablation_mask_rcnn_12ep"],
                        ["box_AP", "mask_AP"], runs),
         sweep_table("Table 6: window size M", paper["table6_window_size_mask_rcnn_12ep"]["M"],
-                    {f"paper {k}": v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items()
-                     if k != "M"}, runs, "norm.window_size"),
+                    {k: v for k, v in paper["table6_window_size_mask_rcnn_12ep"].items() if k != "M"},
+                    runs, "norm.window_size"),
         sweep_table("Table 7: outlier filtration", [True, False],
-                    {f"paper {k}": [paper["table7_outlier_filtration"]["with"][k],
-                                    paper["table7_outlier_filtration"]["without"][k]]
+                    {k: [paper["table7_outlier_filtration"]["with"][k],
+                         paper["table7_outlier_filtration"]["without"][k]]
                      for k in paper["table7_outlier_filtration"]["with"]},
                     runs, "norm.outlier_filtration"),
         efficiency_table(paper["table8_efficiency_swin_t"], benchmarks),
         ablation_table("Table 9: UN components, IWSLT14 BLEU", paper["table9_ablation_iwslt14"],
                        ["bleu"], [r for r in runs if r.get("task") == "translation"]),
         sweep_table("Table 10: momentum alpha", paper["table10_alpha"]["alpha"],
-                    {f"paper {k}": v for k, v in paper["table10_alpha"].items() if k != "alpha"},
+                    {k: v for k, v in paper["table10_alpha"].items() if k != "alpha"},
                     runs, "norm.momentum"),
     ]
-    return (tables + lm_tables(runs) + stability_tables(runs) + sensitivity_tables(runs)
-            + attention_logit_tables(runs) + sam_tables(runs, benchmarks)
-            + micro_batch_tables(runs) + settings_tables(runs))
+    tables += (lm_tables(runs) + stability_tables(runs) + sensitivity_tables(runs)
+               + attention_logit_tables(runs) + sam_tables(runs, benchmarks)
+               + micro_batch_tables(runs) + settings_tables(runs))
+    for table in tables:
+        table.notes += [note for mark, note in CELL_NOTES.items()
+                        if any(re.search(rf"\b{mark} \d+/\d+", cell) for row in table.rows for cell in row)]
+    return tables
 
 
 def _coco_metric(column: str) -> str:
@@ -684,9 +771,11 @@ def _flatten(values: dict, prefix: str = "") -> dict:
     return flat
 
 
-def to_markdown(tables: list[Table], run_count: int) -> str:
-    out = [f"# The paper's tables beside ours ({run_count} recorded runs)", "",
+def to_markdown(tables: list[Table], runs: list[dict]) -> str:
+    out = [f"# The paper's tables beside ours ({runs_read(runs)})", "",
            "Generated by `python scripts/make_tables.py`; do not edit.", "", CPU_NOTE, ""]
+    if broken_text(runs):
+        out += [broken_text(runs), ""]
     if any("‡" in cell for table in tables for row in table.rows for cell in row):
         out += [SUPERSEDED_NOTE, ""]
     for table in tables:

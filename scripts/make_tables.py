@@ -11,7 +11,9 @@ committed runs it also rewrites the tables the results pages and the README quot
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
 better than chance show as ``chance k/n``, collapsed ones as FAIL with their step; each cell
 is tested against its baseline (LN; UN as configured for sweeps and ablations) by Welch's
-t-test, marked after Holm's correction over the table's comparisons too; a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
+t-test, marked after Holm's correction over the table's comparisons too (a side of one run:
+the difference alone); it prints how many runs it read and skipped, naming each broken
+record (``analysis.runs.broken_records``); a dagger marks cells produced at CPU scale on the embedded digits rather than the paper's data.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ COMMITTED_RUNS = ROOT / "results" / "runs"
 COMMITTED_TABLES = ROOT / "results" / "tables"
 
 from analysis import headline, pages  # noqa: E402
-from analysis.runs import load_runs  # noqa: E402
+from analysis.runs import broken_text, load_runs, runs_read  # noqa: E402
 from analysis.tables import build_tables, to_latex, to_markdown  # noqa: E402
 
 
@@ -54,9 +56,11 @@ def main() -> None:
     tables = build_tables(paper, runs, args.benchmarks)
     rows = headline.headline_rows(runs, paper)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tables.md").write_text(to_markdown(tables, len(runs)))
+    (args.out / "tables.md").write_text(to_markdown(tables, runs))
     (args.out / "tables.tex").write_text(to_latex(tables))
-    print(f"{len(runs)} runs -> {args.out}: tables.md, tables.tex")
+    print(f"{runs_read(runs)} -> {args.out}: tables.md, tables.tex")
+    if broken_text(runs):
+        print(broken_text(runs), file=sys.stderr)
     if rows:
         (args.out / "headline.md").write_text(headline.page(rows))
         headline.forest(rows, args.out / headline.FIGURE)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_run(root: Path, name: str, **fields) -> None:
     run = {"status": "ok", "task": "classification", "model": "swin_t", "exp_data": "imagenet",
-           "norm": "un", "scale": "full", "overrides": [], "metrics": {}, "fail_step": None}
+           "data": "digits", "norm": "un", "scale": "full", "overrides": [], "metrics": {}, "fail_step": None}
     run.update(fields)
     (root / name).mkdir(parents=True)
     (root / name / "result.json").write_text(json.dumps(run))
@@ -55,10 +55,28 @@ def test_cells_summarise_seeds_failures_and_cpu_scale(tmp_path):
     assert un[1] == "81.0 / 81.0 ± 1.0 (n=3)"  # the swept run is not a default run
     assert table_row(markdown, "Table 2", "BN")[1] == "80.8 / 79.5 (n=1); FAIL 1/2 (step 1234)"
     assert table_row(markdown, "Table 2", "LN")[2] == "81.5 / 90.2 (n=1)†"
-    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
-    assert window[1:] == ["—", "—", "10.0 (n=1)", "—", "—"]
+    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")
+    assert window[1:] == ["—", "—", "10.0 (n=1); vs default -71.0 (n=1 vs 3: no test)", "—", "—"]
     tex = (tmp_path / "out" / "tables.tex").read_text()
     assert "81.0 $\\pm$ 1.0 (n=3)" in tex and "\\begin{tabular}" in tex
+
+
+def test_ours_are_named_by_the_data_they_ran_on_beside_the_papers_dataset(tmp_path):
+    """A column, row or title of ours names the data its runs trained on (``data``) beside the
+    experiment's dataset, the paper's (``exp_data``, by which runs are still grouped and the
+    paper's numbers looked up); a run on the paper's own data names that alone."""
+    runs = tmp_path / "runs"
+    write_run(runs, "ln_cpu", norm="ln", scale="cpu", metrics={"top1": 90.0})
+    write_run(runs, "ln_t2t", norm="ln", model="t2t_vit_14", data="imagenet", metrics={"top1": 79.0})
+    write_run(runs, "un_m2", scale="cpu", overrides=["norm.window_size=2"], metrics={"top1": 85.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 2", "method")[1:] == [
+        "swin_t_imagenet (ours on digits)", "t2t_vit_14_imagenet (ours on imagenet)",
+        "t2t_vit_14_cifar10", "t2t_vit_14_cifar100"]
+    assert table_row(markdown, "Table 2", "LN")[1:3] == ["81.3 / 90.0 (n=1)†", "81.5 / 79.0 (n=1)"]
+    assert table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")[1] == "85.0 (n=1)†"
+    assert "## CPU-scale settings: swin_t imagenet, run on digits\n" in markdown
+    assert "run on imagenet" not in markdown
 
 
 def test_a_damaged_record_is_named_with_the_fix(tmp_path):
@@ -73,6 +91,50 @@ def test_a_damaged_record_is_named_with_the_fix(tmp_path):
     assert f"{damaged} is not a whole result.json" in proc.stderr and "copy it again" in proc.stderr
 
 
+def test_a_broken_record_is_counted_and_named_and_an_undefined_metric_is_not(tmp_path):
+    """A run that learned without a number for its task's metric is skipped, counted and named
+    with why; one with another metric broken stays in its task's cells and says 'broken' in
+    that metric's; a metric not defined for a run (recorded null, or a COCO area range left
+    out) is no broken record, and its cell says so."""
+    runs = tmp_path / "runs"
+    write_run(runs, "ln0", norm="ln", metrics={"top1": 80.0})
+    write_run(runs, "ln1", norm="ln", metrics={"top1": 82.0})
+    write_run(runs, "ln_missing", norm="ln", metrics={"top5": 99.0})
+    write_run(runs, "ln_text", norm="ln", metrics={"top1": "n/a"})
+    write_run(runs, "ln_chance", norm="ln", status="chance", metrics={})  # not a run that learned
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco", "data": "shapes"}
+    for seed, ap in enumerate([40.0, 42.0]):  # no large objects: no APl; a box-only mask AP: null
+        write_run(runs, f"mask{seed}", **detection, metrics={"bbox_AP": ap, "bbox_AP50": 60.0 + seed,
+                                                             "segm_AP": None})
+    write_run(runs, "mask_text", **detection, metrics={"bbox_AP": 44.0, "bbox_AP50": "x"})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs), "--out",
+                           str(out), "--benchmarks", str(runs / "none")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("8 runs read, 2 skipped ->")
+    named = {line.split(": ", 1)[0]: line.split(": ", 1)[1]
+             for line in proc.stderr.split("runs read. ", 1)[1].strip().split("; ")}
+    assert named == {f"{runs / 'ln_missing' / 'result.json'} (skipped)": "top1 missing",
+                     f"{runs / 'ln_text' / 'result.json'} (skipped)": "top1 is 'n/a', not a number",
+                     f"{runs / 'mask_text' / 'result.json'}": "bbox_AP50 is 'x', not a number"}
+    markdown = (out / "tables.md").read_text()
+    assert markdown.startswith("# The paper's tables beside ours (8 runs read, 2 skipped)")
+    assert str(runs / "ln_missing" / "result.json") in markdown
+    assert table_row(markdown, "Table 2", "LN")[1] == "81.3 / 81.0 ± 1.4 (n=2); broken 2/5; chance 1/5"
+    un = {column.removesuffix(" (ours on shapes)"): cell for column, cell in
+          zip(table_row(markdown, "Table 4", "method"), table_row(markdown, "Table 4", "UN"))}
+    assert un["box AP"] == "45.6 / 42.0 ± 2.0 (n=3)"
+    assert un["box AP50"] == "67.6 / 60.5 ± 0.7 (n=2); broken 1/3"
+    assert un["mask AP"] == "41.4 / not defined 3/3"  # recorded null: by design
+    assert un["box APl"] == "58.9 / not defined 3/3"  # left out by COCO evaluation: by design
+    table4 = markdown.split("## Table 4")[1].split("## ")[0]
+    assert "'not defined k/n'" in table4 and "'broken k/n'" in table4
+    proc = subprocess.run([sys.executable, "-m", "analysis.stability", "--runs", str(runs), "--out",
+                           str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.startswith("8 runs read, 2 skipped") and "ln_missing" in proc.stderr
+
+
 def test_my_runs_beside_the_committed_ones_never_over_the_committed_tables(tmp_path):
     """Several run folders table together; the committed tables are written only from the
     committed runs, and a folder that is not there is named."""
@@ -83,7 +145,8 @@ def test_my_runs_beside_the_committed_ones_never_over_the_committed_tables(tmp_p
     proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(mine),
                            str(theirs), "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert table_row((out / "tables.md").read_text(), "Table 2", "BN")[1].endswith("/ 70.0 (n=1)")
+    assert table_row((out / "tables.md").read_text(), "Table 2", "BN")[1] == (
+        "80.8 / 70.0 (n=1); vs LN -10.0 (n=1 vs 1: no test)")
     committed = (ROOT / "results" / "tables" / "tables.md").read_bytes()
     for argv, message in ((["--runs", str(mine)], "--out <folder>"),
                           (["--runs", str(tmp_path / "typo"), "--out", str(out)], "no such folder")):
@@ -106,14 +169,14 @@ def test_a_composed_norm_is_its_method_and_weight_standardization_a_change(tmp_p
     markdown = make_tables(runs, tmp_path / "out")
     assert table_row(markdown, "Table 2", "BCN")[1] == "— / 70.0 (n=1)†"
     assert table_row(markdown, "Table 2", "EvoNorm-S0")[1] == "— / 60.0 (n=1)"
-    settings = "CPU-scale settings: swin_t imagenet"
+    settings = "CPU-scale settings: swin_t imagenet, run on digits"
     assert table_row(markdown, settings, "BCN")[1:3] == ["70.0 (n=1)†", "—"]
     assert table_row(markdown, settings, "BCN ws=transformer")[1:3] == ["10.0 (n=1)†", "BCN"]
 
 
 def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     runs = tmp_path / "runs"
-    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco"}
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco", "data": "shapes"}
     write_run(runs, "mask_un", **detection, metrics={"bbox_AP": 45.0, "segm_AP": 40.5, "segm_AP50": 64.0})
     write_run(runs, "faster_ln", **{**detection, "model": "faster_rcnn_swin_t"}, norm="ln",
               status="FAIL", fail_step=77)
@@ -122,11 +185,13 @@ def test_detection_runs_fill_the_coco_tables_and_sweeps(tmp_path):
     markdown = make_tables(runs, tmp_path / "out")
     header = table_row(markdown, "Table 4", "method")
     un = dict(zip(header, table_row(markdown, "Table 4", "UN")))
+    assert header[1] == "box AP (ours on shapes)"
+    un = {column.removesuffix(" (ours on shapes)"): cell for column, cell in un.items()}
     assert un["box AP"] == "45.6 / 45.0 (n=1)" and un["mask AP"] == "41.4 / 40.5 (n=1)"
-    assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / —"  # not measured
+    assert un["mask AP50"] == "64.8 / 64.0 (n=1)" and un["box APl"] == "58.9 / not defined 1/1"
     assert table_row(markdown, "Table 3", "LN")[1] == "45.5 / FAIL 1/1 (step 77)"
-    window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP")
-    assert window[1:] == ["42.0 (n=1)", "—", "—", "—", "—"]
+    window = table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP, run on shapes")
+    assert window[1:] == ["42.0 (n=1); vs default -3.0 (n=1 vs 1: no test)", "—", "—", "—", "—"]
 
 
 def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
@@ -147,10 +212,50 @@ def test_sweeps_and_ablations_count_the_experiments_own_runs(tmp_path):
                                               "norm.window_size=6"],
               norm_options=options, metrics={"top1": 75.0})
     markdown = make_tables(runs, tmp_path / "out")
-    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1")
-    assert window[1:] == ["70.0 (n=1)", "81.0 ± 1.0 (n=3)", "75.0 (n=1)", "—", "—"]
+    window = table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")
+    assert window[1:] == ["70.0 (n=1); vs default -11.0 (n=1 vs 3: no test)", "81.0 ± 1.0 (n=3)",
+                          "75.0 (n=1); vs default -6.0 (n=1 vs 3: no test)", "—", "—"]
     assert table_row(markdown, "Table 5", "1")[-1] == "81.0 ± 1.0 (n=3)"
-    assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1)"
+    assert table_row(markdown, "Table 5", "4")[-1] == "60.0 (n=1); vs Exp1 -21.0 (n=1 vs 3: no test)"
+
+
+def test_a_restricted_sweep_lands_in_its_paper_table_with_each_rows_metric_named(tmp_path):
+    """The documented ``+exp=swin_t_un scale=cpu +sweep=window_size norm.window_size=2,8``:
+    its jobs' records land in Table 6 and in the settings table as the plain change, never
+    as a ``+sweep`` setting; the paper's rows (Mask R-CNN box and mask AP) and ours (top-1)
+    are named by model and metric, and the note says they differ where they do."""
+    from analysis.tables import paper_label
+    runs = tmp_path / "runs"
+    cpu = {"scale": "cpu", "norm_options": {"window_size": 4}}
+    for seed, top1 in enumerate([80.0, 82.0]):
+        write_run(runs, f"un{seed}", seed=seed, overrides=["+exp=swin_t_un", "scale=cpu", f"seed={seed}"],
+                  metrics={"top1": top1}, **cpu)
+    for size, top1 in ((2, 70.0), (8, 75.0)):
+        write_run(runs, f"sweep_m{size}", overrides=["+exp=swin_t_un", "scale=cpu", "+sweep=window_size",
+                                                     f"norm.window_size={size}"],
+                  metrics={"top1": top1}, **cpu)
+    detection = {"task": "detection", "model": "mask_rcnn_swin_t", "exp_data": "coco", "data": "shapes"}
+    write_run(runs, "mask_m2", **detection, **cpu, overrides=["+sweep=window_size", "norm.window_size=2"],
+              metrics={"bbox_AP": 30.0})
+    markdown = make_tables(runs, tmp_path / "out")
+    table6 = markdown.split("## Table 6")[1].split("## ")[0]
+    assert table_row(markdown, "Table 6", "paper: mask_rcnn_swin_t coco bbox_AP")[1:] == [
+        "42.8", "42.8", "42.8", "42.8", "42.5"]
+    assert table_row(markdown, "Table 6", "paper: mask_rcnn_swin_t coco segm_AP")[1] == "39.2"
+    assert table_row(markdown, "Table 6", "ours: swin_t imagenet top1, run on digits")[1:] == [
+        "70.0 (n=1)†; vs default -11.0 (n=1 vs 2: no test)", "81.0 ± 1.4 (n=2)†", "—",
+        "75.0 (n=1)†; vs default -6.0 (n=1 vs 2: no test)", "—"]
+    assert table_row(markdown, "Table 6", "ours: mask_rcnn_swin_t coco bbox_AP, run on shapes")[1] == "30.0 (n=1)†"
+    assert ("Not the paper's metric: swin_t imagenet top1 of ours is another model or metric than "
+            "the paper's numbers beside it (mask_rcnn_swin_t coco bbox_AP, mask_rcnn_swin_t coco "
+            "segm_AP)") in table6  # the detector's box AP is the paper's metric: not named
+    settings = "CPU-scale settings: swin_t imagenet, run on digits"
+    assert table_row(markdown, settings, "UN norm.window_size=2")[1] == "70.0 (n=1)†"
+    assert "+sweep" not in markdown
+    table9 = markdown.split("## Table 9")[1].split("## ")[0]
+    assert "paper: transformer_iwslt_de_en iwslt14 bleu" in table9 and "Not the paper's" not in table9
+    with pytest.raises(ValueError, match="top5.*PAPER_MEASURES"):
+        paper_label("top5")
 
 
 def test_stability_map_table_and_figure(tmp_path):
@@ -266,7 +371,7 @@ def test_the_micro_batch_table_tests_each_norm_against_ln_at_its_micro_batch(tmp
 def write_lm_run(root: Path, name: str, norm: str, seed: int, val_loss: float, position="pre",
                  overrides=(), batch_size=16, **metrics) -> None:
     """A language-modelling run with a two-point validation curve in its metrics.jsonl."""
-    write_run(root, name, task="language_modelling", model="llama_cpu", exp_data="lm_cpu",
+    write_run(root, name, task="language_modelling", model="llama_cpu", exp_data="lm_cpu", data="lm_cpu",
               scale="cpu", norm=norm, seed=seed, norm_position=position, batch_size=batch_size,
               accumulate=1, overrides=[*overrides, f"seed={seed}"],
               metrics={"val_loss": val_loss, "tokens": 737280, **metrics})
@@ -349,6 +454,31 @@ def test_cells_test_against_ln_and_show_chance_apart(tmp_path):
     assert "1 comparison in this table" in markdown
 
 
+def test_a_difference_shows_at_any_n_and_a_test_where_both_sides_have_two(tmp_path):
+    """One run against three, or three against one, prints the difference of means without p
+    and the caption says what that means; claims, which check a p, still refuse a side of
+    one run."""
+    from analysis import claims
+    runs = tmp_path / "runs"
+    ln, un = [80.0, 82.0, 81.0], [60.0, 64.0]
+    for seed, top1 in enumerate(ln):
+        write_run(runs, f"ln{seed}", norm="ln", seed=seed, metrics={"top1": top1})
+    write_run(runs, "bn0", norm="bn", metrics={"top1": 70.5})
+    t2t = {"model": "t2t_vit_14"}
+    write_run(runs, "t2t_ln0", norm="ln", metrics={"top1": 70.0}, **t2t)
+    for seed, top1 in enumerate(un):
+        write_run(runs, f"t2t_un{seed}", norm="un", seed=seed, metrics={"top1": top1}, **t2t)
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 2", "BN")[1] == "80.8 / 70.5 (n=1); vs LN -10.5 (n=1 vs 3: no test)"
+    assert table_row(markdown, "Table 2", "UN")[2] == "80.9 / 62.0 ± 2.8 (n=2); vs LN -8.0 (n=2 vs 1: no test)"
+    table2 = markdown.split("## Table 2")[1].split("## ")[0]
+    assert "A difference without p" in table2 and "comparison" not in table2  # no test: no count
+    records = [{**json.loads((folder / "result.json").read_text()), "scale": "cpu"}
+               for folder in sorted(runs.iterdir())]
+    with pytest.raises(ValueError, match="fewer than two runs on a side"):
+        claims.compare(records, "swin_t:BN", "swin_t:LN")
+
+
 def test_training_through_the_norms_has_its_table_tested_against_base(tmp_path):
     """SAM and norm-only runs fill their own table, each cell tested against the same norm
     with the recipe's optimizer, and count in no method table; the cost table reads the
@@ -373,7 +503,7 @@ def test_training_through_the_norms_has_its_table_tested_against_base(tmp_path):
                     str(tmp_path / "out"), "--benchmarks", str(bench)], cwd=ROOT, check=True,
                    capture_output=True)
     markdown = (tmp_path / "out" / "tables.md").read_text()
-    title = "Training through the norms: swin_t imagenet, top1"
+    title = "Training through the norms: swin_t imagenet, top1, run on digits"
     header = markdown.split(f"## {title}")[1].splitlines()[2]
     assert header == "| norm | base | SAM-ON | norm only |"
     p = stats.ttest_ind(sam_on, base, equal_var=False).pvalue
@@ -453,11 +583,12 @@ def test_the_attention_logit_table_gives_each_rates_median_and_max_with_how_runs
             if multiple != 1:
                 over.append(f"lr_multiple={multiple:g}")
             write_run(runs, f"{norm}-{multiple:g}-{seed}", task="language_modelling",
-                      model="llama_cpu", exp_data="lm_c4", norm=norm, norm_position="pre",
+                      model="llama_cpu", exp_data="lm_c4", data="lm_cpu", norm=norm, norm_position="pre",
                       scale="cpu", seed=seed, chance=chance, status=status, metrics=metrics,
                       overrides=over)
     markdown = make_tables(runs, tmp_path / "out")
-    title = "Attention logits: llama_cpu lm_c4, the largest at the end by learning-rate multiple"
+    title = ("Attention logits: llama_cpu lm_c4, the largest at the end by learning-rate multiple, "
+             "run on lm_cpu")
     row = table_row(markdown, title, "Pre-LN")
     assert row[1:] == ["10 (max 20, n=3)", "—", "5.1e+05 (max 1e+06, n=2; chance 1)"]
     with pytest.raises(AssertionError):
@@ -585,8 +716,18 @@ def test_the_committed_tables_regenerate_byte_for_byte(tmp_path):
 
 def test_paper_numbers_are_copied_beside_ours(tmp_path):
     markdown = make_tables(tmp_path / "empty", tmp_path / "out")
-    assert table_row(markdown, "Table 1", "NoNorm")[1:] == ["FAIL / —", "32.8 / —"]
+    assert table_row(markdown, "Table 1", "NoNorm")[1:] == ["FAIL (paper) / —", "32.8 / —"]
     assert table_row(markdown, "Table 9", "4")[4] == "18.3"
+    assert table_row(markdown, "Table 9", "5")[4] == "FAIL (paper)"
+
+
+def test_the_papers_fail_and_ours_read_apart(tmp_path):
+    """A paper's FAIL says it is the paper's; ours carries how many collapsed and when."""
+    runs = tmp_path / "runs"
+    write_run(runs, "nonorm", task="translation", model="transformer_iwslt_de_en",
+              exp_data="iwslt14", data="synthetic_mt", norm="nonorm", status="FAIL", fail_step=77)
+    markdown = make_tables(runs, tmp_path / "out")
+    assert table_row(markdown, "Table 1", "NoNorm")[1] == "FAIL (paper) / FAIL 1/1 (step 77)"
 
 
 def test_slurm_launcher_config_renders_an_sbatch_script(tmp_path, monkeypatch):
