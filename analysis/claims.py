@@ -49,12 +49,13 @@ claim, Holm's verdict is said only inside a claim's parenthesis, where it is che
 Every ``p =`` or ``p <`` of a checked page must sit in the parenthesis of a ``claim``, ``gap``
 or ``unchecked`` marker (``unmarked_p_values``; ``p < 0.05``, the threshold, defines a mark
 and claims nothing); so must every parenthesis that opens with a signed difference or holds
-``n = a vs b`` (``unmarked_comparisons``), and every count of tests, runs or measured time
-sits right after the marker that checks it (``unmarked_counts``; times live in the generated
-docs/times.md). A claim may not rest on a record made under a superseded rule
-(``analysis.runs.superseded_warmup``). Generated blocks (``analysis.pages``) and the
-headline table are the records' own output and are not prose. The tests are the tables' own: ``Cell.values`` picks the runs,
-``Comparisons`` computes the difference and Welch's p. Reads run records only.
+``n = a vs b`` (``unmarked_comparisons``); every count of tests, comparisons, runs or records
+sits right after the marker that checks it, and no measured time is in the prose
+(``unmarked_counts``; times live in the generated docs/times.md). A claim may not rest on a
+record made under a superseded rule (``analysis.runs.superseded_warmup``). Generated blocks
+(``analysis.pages``) and the headline are the records' own output, not prose. The tests are
+the tables' own: ``Cell.values`` picks the runs, ``Comparisons`` computes the difference and
+Welch's p. Reads run records only.
 """
 from __future__ import annotations
 
@@ -389,9 +390,11 @@ def check(text: str, runs, tables: Optional[list] = None) -> list[str]:
                 elif printed != count:
                     problems.append(f"{where_}: {printed}, the table has {count}")
             elif marker.kind == "from":
-                table = "\n".join(table_markdown(_table(tables, marker.body), "")).replace("−", "-")
+                table = "\n".join(table_markdown(_table(tables, marker.body), ""))
+                table = table.replace("−", "-")
                 for number in re.findall(NUMBER, printed_numbers(marker.after)):
-                    if not re.search(rf"(?<![\d.]){re.escape(number.replace('−', '-'))}(?![\d])", table):
+                    number = re.escape(number.replace("−", "-"))
+                    if not re.search(rf"(?<![\d.]){number}(?![\d])", table):
                         problems.append(f"{where_}: {number} is not in the table")
             elif marker.kind in ("records", "seeds"):
                 printed = _count(marker.after)
@@ -513,7 +516,7 @@ def holm_outside_claims(text: str) -> list[str]:
     """Sentences that hold a claim and speak of Holm's correction outside every claim's
     parenthesis, where the check cannot reach."""
     text = prose(text)
-    spans = [span for span in _covered(text)] + [m.span() for m in MARKER.finditer(text)]
+    spans = _covered(text) + [m.span() for m in MARKER.finditer(text)]
     starts = [0] + [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]
     out = []
     for start, end in zip(starts, starts[1:]):

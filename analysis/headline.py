@@ -39,12 +39,13 @@ TESTBEDS = (
             paper=("table2_cls_top1", "swin_t_imagenet"), paper_data="ImageNet"),
     Testbed("T2T-ViT-14", "T2T-ViT", "digits", "t2t_vit_14", "top1", "top-1 %",
             paper=("table2_cls_top1", "t2t_vit_14_imagenet"), paper_data="ImageNet"),
-    Testbed("Mask R-CNN Swin-T", "detection", "generated shapes", "mask_rcnn_swin_t", "bbox_AP", "box AP",
-            paper=("table4_mask_rcnn_swin_t_coco_3x", "box", "AP"), paper_data="COCO"),
-    Testbed("Transformer, IWSLT14 recipe", "translation", "synthetic corpus", "transformer_iwslt_de_en", "bleu",
-            "BLEU", paper=("table1_nmt_bleu", "iwslt14"), paper_data="IWSLT14"),
-    Testbed("Llama 0.6M, Pre-norm", "language modelling", "transformers' sources", "llama_cpu", "val_loss",
-            "val. loss, nats", prefix="Pre-"),
+    Testbed("Mask R-CNN Swin-T", "detection", "generated shapes", "mask_rcnn_swin_t", "bbox_AP",
+            "box AP", paper=("table4_mask_rcnn_swin_t_coco_3x", "box", "AP"), paper_data="COCO"),
+    Testbed("Transformer, IWSLT14 recipe", "translation", "synthetic corpus",
+            "transformer_iwslt_de_en", "bleu", "BLEU", paper=("table1_nmt_bleu", "iwslt14"),
+            paper_data="IWSLT14"),
+    Testbed("Llama 0.6M, Pre-norm", "language modelling", "transformers' sources", "llama_cpu",
+            "val_loss", "val. loss, nats", prefix="Pre-"),
 )
 
 
@@ -145,8 +146,10 @@ def _cell(cell: Cell, metric: str) -> str:
     values = cell.values(metric)
     digits = DIGITS.get(metric, 1)
     text = f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-    others = len(cell.runs) - len(values)
-    return text + (f" ({others} of {len(cell.runs)} at chance or FAIL)" if others else "")
+    apart = [f"{sum(r['status'] == status for r in cell.runs)} of {len(cell.runs)} {word}"
+             for status, word in (("chance", "at chance"), ("FAIL", "FAIL"))
+             if any(r["status"] == status for r in cell.runs)]
+    return text + (f" ({', '.join(apart)})" if apart else "")
 
 
 def _join(names: list[str]) -> str:
@@ -193,7 +196,8 @@ def to_markdown(rows: list[Row], figure: str) -> str:
               f"seeds resolve no difference, which is not the same as equal). Best other norm: "
               f"the best mean among the testbed's other norms whose every run learned, against "
               f"LN with Welch's p (not corrected). The paper's numbers are on its data and "
-              f"schedules; ours on the data named, at CPU scale.", "", f"![UN − LN per testbed]({figure})"]
+              f"schedules; ours on the data named, at CPU scale.", "",
+              f"![UN − LN per testbed]({figure})"]
     return "\n".join(lines)
 
 
@@ -252,7 +256,8 @@ def forest(rows: list[Row], path: Path) -> None:
         ax.text(0.99, 0.85, f"Holm p = {_p(row.p_holm)}", transform=ax.transAxes, ha="right",
                 va="top", fontsize=8)
     fig.suptitle("UN − LN per CPU testbed: 95% Welch intervals (uncorrected), right is better "
-                 "for UN;\nred: UN below LN after Holm's correction, grey: inconclusive", fontsize=9)
+                 "for UN;\nafter Holm's correction red: UN below LN, green: above, grey: "
+                 "inconclusive", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, metadata={"Software": None})

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -23,6 +23,8 @@ import os
 import statistics
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import torch
 
 import unnorm

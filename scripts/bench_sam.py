@@ -21,6 +21,8 @@ import os
 import statistics
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import torch
 from hydra import compose, initialize_config_dir
 from timm.optim import create_optimizer_v2

@@ -52,6 +52,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import numpy as np
 import torch
 from omegaconf import OmegaConf

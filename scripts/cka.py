@@ -13,6 +13,8 @@ import sys
 from contextlib import closing
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import torch
 from omegaconf import OmegaConf
 

@@ -22,6 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.lm.export import export_run  # noqa: E402

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import torch
 from omegaconf import OmegaConf
 

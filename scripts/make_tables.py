@@ -21,6 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.generated import generating  # noqa: E402

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import torch
 from omegaconf import OmegaConf
 

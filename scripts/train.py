@@ -10,6 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import project_env  # noqa: F401  (first: the project's Python, whatever `python` ran this)
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf

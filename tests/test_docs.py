@@ -2,8 +2,12 @@
 composes under Hydra, and every script, module and path they name exists. No training runs."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,7 +104,7 @@ def test_pages_exist():
     assert (ROOT / "README.md").exists() and len(PAGES) > 1, "README.md and docs/*.md expected"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=relative)
+@pytest.mark.parametrize("page", PAGES + sorted((ROOT / "results").glob("*.md")), ids=relative)
 def test_relative_links_resolve(page):
     broken = []
     for target in LINK.findall(page.read_text()):
@@ -152,3 +156,30 @@ def test_named_scripts_modules_and_paths_exist(page):
                 and not (ROOT / path.rstrip("/")).exists():
             missing.append(path)
     assert not missing, f"{relative(page)} names what this checkout lacks: {missing}"
+
+
+def python_without_the_project() -> str:
+    """The Python .venv/ was made from, which lacks the project's packages (skip if it has
+    them)."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}"
+    if importlib.util.find_spec("hydra") is None or not base.exists():
+        pytest.skip("this suite does not run in the project's .venv/")
+    has = subprocess.run([base, "-c", "import hydra"], capture_output=True).returncode == 0
+    if has:
+        pytest.skip(f"{base} has the project's packages: no Python without them to try")
+    return str(base)
+
+
+def test_the_readmes_python_commands_work_without_activating_the_venv(tmp_path):
+    """`python scripts/...` as the README writes it, started by a Python without the project's
+    packages, runs under .venv/'s; without a .venv/ it says how to make one."""
+    python = python_without_the_project()
+    done = subprocess.run([python, "scripts/train.py", "+exp=swin_t_uun", "scale=cpu"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "Closest: swin_t_un" in done.stderr, done.stderr[-2000:]
+    (tmp_path / "scripts").mkdir()
+    for name in ("project_env.py", "make_tables.py"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    done = subprocess.run([python, "scripts/make_tables.py", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "run `make run`" in done.stderr, done.stderr
