@@ -18,12 +18,10 @@ from torch import nn
 import unnorm
 
 C, K, SEED = 6, 4, 3
-STATEFUL = {  # every registry norm with running statistics, options that make them differ
-    "bn": {}, "prepbn": {"warmup_iters": 1, "decay_iters": 2}, "bcn": {"groups": 2},
-    "bcn_image": {"groups": 2, "layout": "image"}, "evonorm_b0": {},
-    "evonorm_b0_image": {"layout": "image"}, "un": {}, "mabn": {}, "pn": {},
-    "pn_ls": {"group_num": 2},
-}
+#: every registry norm with running statistics (its quick options), and the image layouts
+STATEFUL = {name: unnorm.registry.quick_options(name) for name in unnorm.available_norms()
+            if unnorm.has_running_state(name)}
+STATEFUL.update({"bcn_image": {"layout": "image"}, "evonorm_b0_image": {"layout": "image"}})
 
 
 # --- the release, transcribed (unmixtns.py lines 28-122 and 142-166; methods/bn.py 29-98) ---
@@ -353,6 +351,13 @@ def test_bcn_micro_batch_ema_is_its_own_running_update():
         for x in stream(3):
             kept = ema_reference(norm, kept, x)
             close(norm(x), own_eval(pristine, x, kept))
+
+
+def test_every_norm_with_running_statistics_says_what_evaluation_reads():
+    for name in STATEFUL:
+        norm = unnorm.build_norm(name.removesuffix("_image"), C, **STATEFUL[name])
+        assert norm.eval_statistics and norm.statistic_form in ("moments", "second_moment",
+                                                                "variance"), name
 
 
 # --- the model's state, resets, folding -------------------------------------------------------

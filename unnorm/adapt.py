@@ -89,7 +89,8 @@ class AdaptedNorms:
             if isinstance(module, GuardedNorm) and module.eval_statistics:
                 self.norms[name] = module
             elif isinstance(module, GuardedNorm):
-                self.kept[name] = "computes no statistic (EvoNorm-B0 with apply_act=False: an affine)"
+                self.kept[name] = ("evaluation reads no statistic (eval_statistics is empty: "
+                                   "an affine, as EvoNorm-B0 with apply_act=False)")
             elif isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
                 self.kept[name] = (f"torch's {type(module).__name__}, not an unnorm norm: adapt it "
                                    "with its own tools, or build the model with unnorm's bn")
