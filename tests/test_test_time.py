@@ -164,30 +164,34 @@ def close(a, b, tol=1e-10):
 
 # --- BN against the releases -----------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["maps", "tokens"])
+@pytest.mark.parametrize("layout", ["maps", "tokens", "nchw"])
 def test_unmix_is_the_release_unmix_tns_on_batch_norm(layout):
     """Outputs and component updates over a shifting stream, the components drawn as the
-    release draws them (seeded); (B, H, W, C) maps and (B, N, C) tokens, a last batch smaller
-    (the release corrects the momentum by the configured batch size: by each batch's here)."""
+    release draws them (seeded); (B, H, W, C) maps, (B, N, C) tokens and NCHW maps through
+    ``unnorm.ChannelsFirst``, a last batch smaller (the release corrects the momentum by the
+    configured batch size: by each batch's here)."""
     norm = trained("bn")
+    model = unnorm.ChannelsFirst(norm) if layout == "nchw" else norm
     torch.manual_seed(SEED)
     release = ReleaseUnMixTNS2d(torch_bn(norm), release_momentum(0.1, 5), K)
     batches = stream()
     batches[-1] = batches[-1][:2]
     if layout == "tokens":
         batches = [x.reshape(x.shape[0], -1, C) for x in batches]
-    with unnorm.test_time(norm, "unmix", components=K, seed=SEED) as adapted:
-        start = adapted.state()[""]
+    with unnorm.test_time(model, "unmix", components=K, seed=SEED) as adapted:
+        start = adapted.state()["norm" if layout == "nchw" else ""]
         close(start["means"], release.running_means_mat)
         close(start["vars"], release.running_vars_mat)
         for x in batches:
             release.momentum = release_momentum(0.1, x.shape[0])
-            image = nchw(x) if layout == "maps" else x.transpose(1, 2).unsqueeze(-1)
-            expected = release(image)
-            expected = (expected.permute(0, 2, 3, 1) if layout == "maps"
-                        else expected.squeeze(-1).transpose(1, 2))
-            close(norm(x), expected)
-            now = adapted.state()[""]
+            if layout == "tokens":
+                expected = release(x.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+            elif layout == "maps":
+                expected = release(nchw(x)).permute(0, 2, 3, 1)
+            else:
+                x, expected = nchw(x), release(nchw(x))
+            close(model(x), expected)
+            now = adapted.state()["norm" if layout == "nchw" else ""]
             close(now["means"], release.running_means_mat)
             close(now["vars"], release.running_vars_mat)
 
@@ -429,6 +433,27 @@ def test_fixed_statistics_fold_where_they_are_fixed():
                 adapted.fixed_statistics()
 
 
+@pytest.mark.parametrize("mode", ["tbn", "alpha", "ema", "unmix"])
+def test_a_half_precision_model_adapts_in_float32(mode):
+    """Statistics in float32 whatever the module dtype: a bfloat16 model's adapted statistics
+    are the float32 model's on the same (bfloat16-rounded) input; its output keeps bfloat16."""
+    model = tiny_model("bn").float()
+    low = copy.deepcopy(model).bfloat16()
+    x = stream(1, shape=(4, 5, 4))[0].bfloat16()
+    with unnorm.test_time(model, mode) as full, unnorm.test_time(low, mode) as half:
+        h = model[:1](x.float())  # the first norm sees the same input in both
+        half_h = low[:1](x)
+        torch.testing.assert_close(half_h.float(), h, rtol=1e-2, atol=1e-2)
+        out = low[1](half_h)
+        assert out.dtype == torch.bfloat16
+        full_out = model[1](half_h.float())
+        torch.testing.assert_close(out.float(), full_out, rtol=2e-2, atol=2e-2)
+        for name, kept in half.state().items():
+            for key, value in kept.items():
+                assert value.dtype == torch.float32, (name, key)
+                close(value, full.state()[name][key], tol=1e-6)
+
+
 # --- bad batches ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -513,8 +538,9 @@ def test_bad_calls_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match="nothing to adapt"):
         unnorm.test_time(nn.Sequential(nn.Linear(2, 2), unnorm.build_norm("ln", C)), "tbn")
     with unnorm.test_time(norm, "unmix"):
-        with pytest.raises(ValueError, match="position axis"):
-            norm(torch.randn(4, C, dtype=torch.float64))
+        for rows in (torch.randn(4, C), torch.randn(4, 1, C)):  # one position each
+            with pytest.raises(ValueError, match="more than one position"):
+                norm(rows.double())
         with pytest.raises(RuntimeError, match="already adapted"):
             unnorm.test_time(norm, "tbn")
 

@@ -218,7 +218,8 @@ class _Adaptation:
         self.owner, self.norm, self.form = owner, norm, norm.statistic_form
         self.names = norm.eval_statistics
         self.source = {name: upcast(getattr(norm, name)).detach().clone() for name in self.names}
-        self.examples: Optional[int] = None
+        self.examples: Optional[int] = None  # of the call under way; None: one position each
+        self.shape: tuple = ()
         self.num_rejected = torch.zeros((), dtype=torch.long, device=self.source[self.names[0]].device)
 
     # --- installing -------------------------------------------------------------------------
@@ -229,7 +230,8 @@ class _Adaptation:
         norm, own_forward = self.norm, type(self.norm).forward.__get__(self.norm)
 
         def forward(x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-            self.examples = x.shape[0] if x.dim() > 2 else None
+            self.examples = x.shape[0] if x.shape[:-1].numel() > x.shape[0] else None
+            self.shape = tuple(x.shape)
             return own_forward(x, pad_mask)
         norm.forward, norm._normalize = forward, self.normalize
 
@@ -337,9 +339,10 @@ class _Adaptation:
         statistics per example (``(B, C)``, broadcast to the example's rows)."""
         if self.examples is None:
             raise ValueError(f"{type(self.norm).__name__}: unmix takes instance statistics over "
-                             "each example's positions and needs batch-first input with a "
-                             "position axis, (B, N, C) tokens or (B, H, W, C) maps; got rows "
-                             "(N, C). Use tbn, alpha or ema for such input")
+                             "each example's positions and needs batch-first input with more "
+                             "than one position, (B, N, C) tokens or (B, H, W, C) maps; got "
+                             f"{self.shape} (one position's variance is 0). Use tbn, alpha or "
+                             "ema for such input")
         examples, temperature = self.examples, self.owner.options["temperature"]
         inst_mean, inst_var, count = instance_moments(rows, valid, examples)
         old_means, old_vars = self.means.to(rows.dtype), self.vars.to(rows.dtype)  # float64 input
