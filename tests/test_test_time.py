@@ -519,6 +519,15 @@ def test_a_causal_model_is_refused_by_name():
         unnorm.test_time(decoder, "ema")
 
 
+def test_the_project_language_model_is_refused():
+    """plugins.lm's Llama with BN at every site: Hugging Face's attention says is_causal."""
+    from plugins.lm.model import build_lm
+    model = build_lm(dict(vocab_size=31, hidden_size=16, intermediate_size=24,
+                          num_hidden_layers=1, num_attention_heads=2, context=8), {"name": "bn"})
+    with pytest.raises(ValueError, match="attends causally"):
+        unnorm.test_time(model, "tbn")
+
+
 def test_a_fairseq_model_is_refused_without_importing_fairseq():
     fairseq_model = type("TransformerModel", (nn.Module,), {"__module__": "fairseq.models.transformer"})
     model = fairseq_model()
