@@ -424,6 +424,7 @@ def test_fixed_statistics_fold_where_they_are_fixed():
         assert set(adapted.fixed_statistics()) == {"1.running_mean", "1.running_var",
                                                    "4.running_mean", "4.running_var"}
         close(frozen.eval()(x), adapted_out)
+        close(adapted.fixed_copy().eval()(x), adapted_out)  # closed: the same copy
         affine = unnorm.to_affine(frozen[4])  # offline again: folds
         close(affine(frozen[:4](x)), adapted_out)
     for mode in ("tbn", "unmix"):

@@ -148,14 +148,16 @@ class AdaptedNorms:
 
     def fixed_copy(self) -> nn.Module:
         """A copy of the model, with its own forwards, whose norms hold ``fixed_statistics()``:
-        its eval is each norm's own, an affine that folds (``unnorm.fold_norms``)."""
+        its eval is each norm's own (an offline norm's, an affine that folds:
+        ``unnorm.fold_norms``)."""
         statistics = self.fixed_statistics()
-        for adaptation in self._adaptations:
+        installed = [] if self.closed else self._adaptations
+        for adaptation in installed:
             adaptation.uninstall()
         try:
             frozen = copy.deepcopy(self.model)
         finally:
-            for adaptation in self._adaptations:
+            for adaptation in installed:
                 adaptation.install()
         frozen.load_state_dict(statistics, strict=False)
         return frozen
