@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import ChannelNorm, GuardedNorm, channel_sum_sq, upcast, zero_padding
+from .base import (ChannelNorm, GuardedNorm, channel_sum_sq, sequence_kind, upcast,
+                   zero_padding)
 from .simple import batch_moments
 
 #: each mode's options and their defaults (the releases')
@@ -196,21 +197,21 @@ def _check_options(options: dict) -> None:
 def _refuse(model: nn.Module) -> None:
     """Refuse a causal model (its norms would see later tokens) and fairseq's (time-first)."""
     for name, module in model.named_modules():
-        where = name or type(model).__name__
-        if type(module).__module__.partition(".")[0] == "fairseq":
-            raise ValueError(f"{where} is fairseq's ({type(module).__module__}."
-                             f"{type(module).__name__}): fairseq passes time-first (T, B, C) "
-                             "tokens, whose batch and instance statistics test-time adaptation "
-                             "would take over the wrong axes; evaluate it with its trained "
-                             "statistics")
         if isinstance(module, ChannelNorm) and getattr(module, "causal", False):
-            raise ValueError(f"{where} is a causal norm (causal=True): test batch statistics pool "
-                             "every position, so each token would see later ones; evaluate it "
-                             "with its trained per-position statistics")
-        if getattr(module, "is_causal", False) is True:
-            raise ValueError(f"{where} attends causally (a language model): test batch statistics "
-                             "pool every position, so each token would see later ones; evaluate "
-                             "it with its trained statistics")
+            raise ValueError(f"{name or type(model).__name__} is a causal norm (causal=True): "
+                             "test batch statistics pool every position, so each token would see "
+                             "later ones; evaluate it with its trained per-position statistics")
+    found = sequence_kind(model)
+    if found is None:
+        return
+    where, kind = found
+    if kind == "causal":
+        raise ValueError(f"{where} attends causally (a language model): test batch statistics "
+                         "pool every position, so each token would see later ones; evaluate it "
+                         "with its trained statistics")
+    raise ValueError(f"{where} is fairseq's: fairseq passes time-first (T, B, C) tokens, whose "
+                     "batch and instance statistics test-time adaptation would take over the "
+                     "wrong axes; evaluate it with its trained statistics")
 
 
 class _Adaptation:

@@ -435,6 +435,20 @@ class UpdateStart:
                 norm._restore(state)
 
 
+def sequence_kind(model: nn.Module) -> Optional[tuple[str, str]]:
+    """``(name, kind)`` of the first module of ``model`` whose tokens are not independent
+    batch-first examples: ``"causal"`` where it attends causally (Hugging Face's
+    ``is_causal``), ``"fairseq"`` where it is fairseq's (time-first ``(T, B, C)`` tokens; known
+    by its class's module, fairseq not imported); None where no module says so."""
+    for name, module in model.named_modules():
+        where = name or type(model).__name__
+        if getattr(module, "is_causal", False) is True:
+            return where, "causal"
+        if type(module).__module__.partition(".")[0] == "fairseq":
+            return where, "fairseq"
+    return None
+
+
 def inside_backward() -> bool:
     """Whether autograd is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
