@@ -5,6 +5,7 @@
     unnorm.swap_norms(model, "un")            # every LayerNorm/RMSNorm -> UN
     unnorm.fold_into_linear(norm, [qkv])      # after model.eval(): offline norms, DyT's affine
     scaler = unnorm.GradScaler(model, "cuda")  # AMP loss scaling the norms do not see
+    adapted = unnorm.test_time(model, "unmix")  # norms follow the test stream; adapted.close()
 """
 from .amp import GradScaler, LossScaleGuard
 from .base import ChannelNorm, GuardedNorm, OfflineNorm, StepCounted, UpdateStart
@@ -29,6 +30,7 @@ from .sepnorm import SeparateClassNorm, separate_class_norms
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
 from .swap import ChannelsFirst, replace_module, swap_norms
+from .adapt import MODES as TEST_TIME_MODES, AdaptedNorms, test_time
 from .unified import RELEASED_UN_NAMES, UnifiedNorm, convert_released_state_dict
 from .ws import (EPS_FORMS, StandardizedConv2d, StandardizedLinear, bake_standardized_weights,
                  standardize_weights)
@@ -48,7 +50,7 @@ __all__ = [
     "option_names", "default_options",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
-    "replace_module", "ChannelsFirst", "record_statistics", "record_gns", "reset_steps",
+    "replace_module", "ChannelsFirst", "test_time", "AdaptedNorms", "TEST_TIME_MODES", "record_statistics", "record_gns", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder", "GNSRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",

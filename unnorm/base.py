@@ -229,9 +229,30 @@ class GuardedNorm(OfflineNorm):
     #: the update's first training call is copied into ``state`` while ``first_call`` is set
     _update_start: Optional[tuple[torch.Tensor, dict]] = None
 
+    #: what evaluation normalises by, for test-time adaptation (``unnorm.test_time``):
+    #: "moments", a mean and a variance (BN's); "second_moment", a quadratic mean about 0 (UN's,
+    #: MABN's, PN's); "variance", a variance without its mean (EvoNorm-B0's)
+    statistic_form: str = "moments"
+    #: the running buffers evaluation reads, in that form's order (none: an affine alone)
+    eval_statistics: tuple[str, ...] = ()
+
     def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
         self.register_buffer("num_rejected", torch.zeros((), dtype=torch.long, device=device))
+
+    def _eval_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.eval_statistics}
+
+    def _evaluate(self, rows: torch.Tensor, valid: Optional[torch.Tensor],
+                  statistics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The evaluation output of float32 ``rows`` (after ``_statistic_input``) normalised
+        by ``statistics`` (``eval_statistics`` by name, per channel or per row ``(N, C)``): the
+        running buffers in eval, test-time estimates under ``unnorm.test_time``."""
+        raise NotImplementedError
+
+    def _statistic_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows the statistics are taken over (PN-LS: after its layer-scale)."""
+        return rows
 
     def register_buffer(self, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
         """Statistics are float32 also when the norm is built under a half default dtype
@@ -412,6 +433,20 @@ class UpdateStart:
                 norm._tap, norm._gns = tap, gns
             for norm, state in zip(self.norms, after):
                 norm._restore(state)
+
+
+def sequence_kind(model: nn.Module) -> Optional[tuple[str, str]]:
+    """``(name, kind)`` of the first module of ``model`` whose tokens are not independent
+    batch-first examples: ``"causal"`` where it attends causally (Hugging Face's
+    ``is_causal``), ``"fairseq"`` where it is fairseq's (time-first ``(T, B, C)`` tokens; known
+    by its class's module, fairseq not imported); None where no module says so."""
+    for name, module in model.named_modules():
+        where = name or type(model).__name__
+        if getattr(module, "is_causal", False) is True:
+            return where, "causal"
+        if type(module).__module__.partition(".")[0] == "fairseq":
+            return where, "fairseq"
+    return None
 
 
 def inside_backward() -> bool:

@@ -69,6 +69,12 @@ class EstimatedNorm(StepCounted):
         self.momentum = check_momentum("momentum", momentum)
         self.warmup_iters = step_count("warmup_iters", warmup_iters)
 
+    statistic_form = "second_moment"
+
+    @property
+    def eval_statistics(self) -> tuple[str, ...]:
+        return (self.inference_stat,)
+
     def inference_affine(self):
         return self._running_affine()
 
@@ -78,10 +84,13 @@ class EstimatedNorm(StepCounted):
     def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         return upcast(self.weight) * self._inference_inv_std(), upcast(self.bias)
 
+    def _evaluate(self, rows, valid, statistics):
+        scale = upcast(self.weight) * torch.rsqrt(statistics[self.inference_stat] + self.eps)
+        return torch.addcmul(upcast(self.bias), rows, scale)
+
     def _normalize(self, rows, valid):
         if not self.training:
-            scale, shift = self._running_affine()
-            return torch.addcmul(shift, upcast(rows), scale)
+            return self._evaluate(upcast(rows), valid, self._eval_buffers())
         if builds_graph(rows, self.weight, self.bias):
             return _EstimatedNormFunction.apply(rows, self.weight, self.bias, self, valid,
                                                 recomputing())

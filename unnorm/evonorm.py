@@ -99,6 +99,12 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
     ``running_var`` as it was. Online: the instance term depends on each input."""
 
     _running_names = ("running_var",)
+    statistic_form = "variance"
+
+    @property
+    def eval_statistics(self) -> tuple[str, ...]:
+        """Without its activation B0 computes no statistic."""
+        return ("running_var",) if self.apply_act else ()
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
                  apply_act: bool = True, layout: str = "token", unbiased_running_var: bool = False,
@@ -133,22 +139,25 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
             out = self._affine(rows, valid)
             accepted = torch.ones((), dtype=torch.bool, device=rows.device)
             return commit_call(out, self, valid, {}, accepted) if self.training else out
-        if self.training:
-            _, _, var, count = batch_moments(rows, valid, replicas_active(self.sync_stats),
-                                             self._positions)
-            batch_var = self._per_row(var, rows)
-            if valid is not None:  # a padded row's output sends no gradient to the statistic
-                batch_var = torch.where(valid[:, None], batch_var, batch_var.detach())
-            var, count = var.detach(), count.detach()
-            if self._recording:
-                self._tap.record_act(self._whole_batch(var))
-        else:
-            batch_var = self._per_row(self.running_var, rows)
+        if not self.training:
+            return self._evaluate(rows, valid, self._eval_buffers())
+        _, _, var, count = batch_moments(rows, valid, replicas_active(self.sync_stats),
+                                         self._positions)
+        batch_var = self._per_row(var, rows)
+        if valid is not None:  # a padded row's output sends no gradient to the statistic
+            batch_var = torch.where(valid[:, None], batch_var, batch_var.detach())
+        var, count = var.detach(), count.detach()
+        if self._recording:
+            self._tap.record_act(self._whole_batch(var))
+        return commit_call(self._divide(rows, valid, batch_var), self, valid,
+                           self._running_state(None, var, count), self._batch_ok(var, count))
+
+    def _evaluate(self, rows, valid, statistics):
+        return self._divide(rows, valid, self._per_row(statistics["running_var"], rows))
+
+    def _divide(self, rows, valid, batch_var):
+        """``x / max(sqrt(batch_var + eps), v x + instance_std(x))``, then the affine."""
         _, instance_var = self._sample_moments(rows, self._instance_groups, valid)
         left = torch.sqrt(batch_var + self.eps)
         right = upcast(self.v) * rows + torch.sqrt(instance_var + self.eps)
-        out = self._affine(rows / torch.maximum(left, right), valid)
-        if not self.training:
-            return out
-        return commit_call(out, self, valid, self._running_state(None, var, count),
-                           self._batch_ok(var, count))
+        return self._affine(rows / torch.maximum(left, right), valid)

@@ -65,9 +65,10 @@ class PowerNorm(EstimatedNorm):
         return super().inference_affine()
 
     def _normalize(self, rows, valid):
-        if self.layer_scale:
-            rows = self._group_scale(rows)
-        return super()._normalize(rows, valid)
+        return super()._normalize(self._statistic_input(rows), valid)
+
+    def _statistic_input(self, rows):
+        return self._group_scale(rows) if self.layer_scale else rows
 
     def _group_scale(self, rows: torch.Tensor) -> torch.Tensor:
         """Divide each channel group of each position by its root mean square."""

@@ -81,16 +81,23 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         decaying = self.r0 * k.float() / max(self.decay_iters, 1)
         return torch.where(step <= self.warmup_iters, torch.ones_like(decaying), decaying)
 
+    eval_statistics = ("running_mean", "running_var")
+
     def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_std = torch.rsqrt(self.running_var + self.eps)
-        scale = upcast(self.bn_weight) * inv_std
-        return (scale + upcast(self.alpha),
-                upcast(self.bn_bias) - scale * self.running_mean)
+        return self._affine_for(self.running_mean, self.running_var)
+
+    def _affine_for(self, running_mean, running_var) -> tuple[torch.Tensor, torch.Tensor]:
+        """RepBN with these statistics: ``BN(x) + alpha x`` as one affine."""
+        scale = upcast(self.bn_weight) * torch.rsqrt(running_var + self.eps)
+        return scale + upcast(self.alpha), upcast(self.bn_bias) - scale * running_mean
+
+    def _evaluate(self, rows, valid, statistics):
+        return self._inference(rows, *self._affine_for(**statistics))
 
     def _normalize(self, rows, valid):
         rows = upcast(rows)
         if not self.training:
-            return self._inference(rows, *self._running_affine())
+            return self._evaluate(rows, valid, self._eval_buffers())
         step = snapshot(self.num_iters + 1)  # the backward's share is this call's
         start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,

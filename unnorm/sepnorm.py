@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .base import ChannelNorm
+from .base import ChannelNorm, sequence_kind
 from .registry import build_norm
 from .swap import replace_module
 
@@ -68,16 +68,16 @@ def _is_norm(module: nn.Module) -> bool:
 
 def _why_no_class_token(model: nn.Module) -> Optional[str]:
     """Why ``model`` has no class token to separate, where its modules say so (None: they do
-    not): causal attention (Hugging Face's ``is_causal``), whose first token starts the text,
-    or fairseq's layers, whose tokens are time-first ``(T, B, C)``."""
-    for name, module in model.named_modules():
-        if getattr(module, "is_causal", False) is True:
-            return (f"{name or type(model).__name__} attends causally: a decoder's first token is "
-                    "the start of its text, not a class token")
-        if type(module).__module__.partition(".")[0] == "fairseq":
-            return ("fairseq's layers pass time-first (T, B, C) tokens, and its Transformer has no "
-                    "class token")
-    return None
+    not): causal attention, whose first token starts the text, or fairseq's layers, whose
+    tokens are time-first ``(T, B, C)`` (``unnorm.base.sequence_kind``)."""
+    found = sequence_kind(model)
+    if found is None:
+        return None
+    where, kind = found
+    if kind == "causal":
+        return (f"{where} attends causally: a decoder's first token is the start of its text, "
+                "not a class token")
+    return "fairseq's layers pass time-first (T, B, C) tokens, and its Transformer has no class token"
 
 
 def separate_class_norms(model: nn.Module, class_norm: str = "bn", *,

@@ -202,10 +202,12 @@ class BatchNorm(CausalStatistics, GuardedNorm):
         causal = f", causal, positions={self.running_mean.shape[0]}" if self.causal else ""
         return f"{super().extra_repr()}, momentum={self.momentum}" + causal
 
+    eval_statistics = ("running_mean", "running_var")
+
     def _normalize(self, rows, valid):
         rows = upcast(rows)
         if not self.training:
-            return self._then(self._inference(rows, *self._running_affine()), valid)
+            return self._evaluate(rows, valid, self._eval_buffers())
         z, state, var, count = self._batch_part(rows, valid)
         if self._recording:
             self._tap.record_act(self._whole_batch(var))
@@ -225,9 +227,15 @@ class BatchNorm(CausalStatistics, GuardedNorm):
         normalization)."""
         return out
 
+    def _evaluate(self, rows, valid, statistics):
+        return self._then(self._inference(rows, *self._affine_for(**statistics)), valid)
+
     def _running_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = upcast(self.weight) * torch.rsqrt(self.running_var + self.eps)
-        return scale, upcast(self.bias) - scale * self.running_mean
+        return self._affine_for(self.running_mean, self.running_var)
+
+    def _affine_for(self, running_mean, running_var) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = upcast(self.weight) * torch.rsqrt(running_var + self.eps)
+        return scale, upcast(self.bias) - scale * running_mean
 
 
 def running_statistics(alpha: float, running_mean: torch.Tensor, running_var: torch.Tensor,
