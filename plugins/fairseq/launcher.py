@@ -35,6 +35,10 @@ Settings of ``configs/train.yaml``, as translation takes them:
   run) and ``sam_perturbed_parameters``. SAM with more than one micro-batch per update, and
   ``norm+head`` with the output projection tied to the embeddings (the recipes'
   ``share_all_embeddings``), are refused, naming the fix.
+* ``optimizer=<name>`` is fairseq's optimizer of that algorithm with every option stated
+  (``optimizer_flags``: ``adamw`` fairseq's adam, whose decay is decoupled; ``adamp`` and
+  ``sgdp`` the release's, registered by the user dir); optimizer flags in ``recipe.train``
+  and an option fairseq's optimizer lacks are refused.
 * Checkpoints given from outside (``init_from``, the ``resume`` directory's) are read without
   running their pickle (``plugins.fairseq.checkpoints``) before fairseq loads them;
   ``trust_checkpoint=true`` is the opt-in for files that need more.
