@@ -48,7 +48,8 @@ def optimizer_options(optimizer: DictConfig | Mapping) -> tuple[str, dict[str, A
     missing = [key for key in OPTIONS[name] if key not in options]
     if extra or missing:
         raise ValueError(f"optimizer={name} takes {', '.join(OPTIONS[name])}"
-                         + (f"; it does not take {', '.join(extra)} (drop ~optimizer.<key>)" if extra else "")
+                         + (f"; it does not take {', '.join(extra)} (drop it: "
+                            f"{' '.join('~optimizer.' + key for key in extra)})" if extra else "")
                          + (f"; set {', '.join(missing)} (configs/optimizer/{name}.yaml)" if missing else ""))
     if "betas" in options:
         options["betas"] = tuple(options["betas"])

@@ -135,8 +135,8 @@ FAIRSEQ_OPTIMIZERS = {
                       "delta": "delta", "wd_ratio": "wd_ratio"}),
 }
 #: recipe.train keys that would choose the optimizer or its options past ``optimizer``
-OPTIMIZER_FLAGS = {"optimizer", "adam_betas", "adam_eps", "momentum", "nesterov", "eps", "delta",
-                   "wd_ratio"}
+OPTIMIZER_FLAGS = {"optimizer"} | {flag for _, flags in FAIRSEQ_OPTIMIZERS.values()
+                                   for flag in flags.values() if flag}
 
 
 def optimizer_flags(cfg: DictConfig) -> list[str]:
