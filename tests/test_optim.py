@@ -105,6 +105,24 @@ def test_each_tasks_default_is_the_optimizer_its_recipe_trained_with(tmp_path):
         assert "--optimizer adam --adam-betas (0.9,0.98) --adam-eps 1e-08" in command, exp
 
 
+@pytest.mark.parametrize("trainer, exp", [("plugins.timm.trainer", "swin_t_cifar10_un"),
+                                          ("plugins.lm.trainer", "llama_71m_ln")])
+def test_the_trainers_build_the_optimizer_the_run_names(trainer, exp):
+    """Classification's and the LM's own ``_optimizer`` (the LM once hard-coded AdamW) build
+    the release's SGDP with the yaml's options when the run names ``optimizer=sgdp``."""
+    import importlib
+    from types import SimpleNamespace
+
+    import timm
+
+    cfg = config(f"+exp={exp}", "optimizer=sgdp", "optimizer.wd_ratio=0.3")
+    run = SimpleNamespace(cfg=cfg, model=timm.create_model("test_vit", num_classes=4))
+    optimizer = importlib.import_module(trainer)._optimizer(run)
+    assert type(optimizer) is adamp.SGDP
+    assert all(group["wd_ratio"] == 0.3 and group["momentum"] == 0.9 and group["delta"] == 0.1
+               and group["nesterov"] is False for group in optimizer.param_groups)
+
+
 @pytest.mark.parametrize("overrides, fix", [
     (["optimizer.name=lamb"], r"optimizer.name='lamb': choose optimizer=adamw\|sgd\|adamp\|sgdp"),
     (["+optimizer.momentum=0.9"],
