@@ -50,7 +50,8 @@ def optimizer_options(optimizer: DictConfig | Mapping) -> tuple[str, dict[str, A
         raise ValueError(f"optimizer={name} takes {', '.join(OPTIONS[name])}"
                          + (f"; it does not take {', '.join(extra)} (drop it: "
                             f"{' '.join('~optimizer.' + key for key in extra)})" if extra else "")
-                         + (f"; set {', '.join(missing)} (configs/optimizer/{name}.yaml)" if missing else ""))
+                         + (f"; set {', '.join(missing)} (configs/optimizer/{name}.yaml)"
+                            if missing else ""))
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     return name, options

@@ -147,8 +147,9 @@ def optimizer_flags(cfg: DictConfig) -> list[str]:
     set_twice = sorted(OPTIMIZER_FLAGS & set(cfg.recipe.train))
     if set_twice:
         raise ValueError(f"recipe.train.{set_twice[0]}: translation's optimizer and its options "
-                         f"come from optimizer=<name> (configs/optimizer; this run's: {name}); drop "
-                         f"recipe.train.{set_twice[0]} and set optimizer=... or optimizer.<option>=...")
+                         f"come from optimizer=<name> (configs/optimizer; this run's: {name}); "
+                         f"drop recipe.train.{set_twice[0]} and set optimizer=... or "
+                         "optimizer.<option>=...")
     fairseq_name, flags = FAIRSEQ_OPTIMIZERS[name]
     for key, value in options.items():
         if flags[key] is None and value:
