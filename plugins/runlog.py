@@ -9,6 +9,7 @@ so ``scripts/make_tables.py`` reads them all alike.
 """
 from __future__ import annotations
 
+import ast
 import fcntl
 import json
 import math
@@ -37,8 +38,10 @@ LOCK_FILE = "run.lock"  # held by the run writing the folder (flock), names its 
 RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
 #: keys a run's config.yaml recorded before Hydra composed the scale (issue 45): the scale's
 #: variants inside the model and recipe (merged in, so recorded twice) and the scale's data
-#: names (the data itself recorded). A config that no longer has them continues such a run
-RETIRED_KEYS = {"model.cpu", "recipe.cpu", "scale.data"}
+#: names (the data itself recorded); and the recipe's optimizer before ``optimizer=`` (issue
+#: 49), which ``with_optimizer`` spells anew. A config that no longer has them continues such a run
+RETIRED_KEYS = {"model.cpu", "recipe.cpu", "scale.data", "recipe.opt", "recipe.momentum",
+                "recipe.betas", "recipe.train.optimizer", "recipe.train.adam_betas"}
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
 
@@ -52,6 +55,29 @@ def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
                 and not (f"{prefix}{key}" in RETIRED_KEYS and key not in new)
                 for diff in config_differences(stored.get(key), new.get(key), f"{prefix}{key}.")]
     return [] if stored == new else [f"{prefix.rstrip('.')} ({stored!r} -> {new!r})"]
+
+
+def with_optimizer(stored: dict) -> dict:
+    """A run's stored config with the optimizer its recipe chose before ``optimizer=`` (issue
+    49) as ``optimizer`` states it: timm's ``adamw`` and ``momentum`` (SGD), fairseq's ``adam``
+    (decoupled decay), the LM's AdamW ``betas``, each at the defaults it ran with. Other
+    configs as they are (an optimizer this does not know then differs from any)."""
+    if "optimizer" in stored:
+        return stored
+    recipe = stored.get("recipe") or {}
+    train = recipe.get("train") or {}
+    if recipe.get("opt") == "adamw":
+        optimizer = {"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-8}
+    elif recipe.get("opt") == "momentum":
+        optimizer = {"name": "sgd", "momentum": recipe["momentum"], "nesterov": False}
+    elif train.get("optimizer") == "adam":
+        optimizer = {"name": "adamw", "betas": list(ast.literal_eval(train["adam_betas"])),
+                     "eps": train.get("adam_eps", 1e-8)}
+    elif "betas" in recipe:
+        optimizer = {"name": "adamw", "betas": recipe["betas"], "eps": 1e-8}
+    else:
+        return stored
+    return {**stored, "optimizer": optimizer}
 
 
 def git_commit() -> str:
@@ -205,8 +231,9 @@ class RunDirectory:
         """
         result = self.finished()
         if resuming or result is not None:
-            differing = config_differences(yaml.safe_load((self.path / CONFIG_FILE).read_text()),
-                                           yaml.safe_load(resolved_yaml))
+            differing = config_differences(
+                with_optimizer(yaml.safe_load((self.path / CONFIG_FILE).read_text())),
+                yaml.safe_load(resolved_yaml))
             if differing:
                 raise ValueError(
                     f"refusing to resume {self.path}: these options differ from its {CONFIG_FILE}: "

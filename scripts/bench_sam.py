@@ -25,7 +25,6 @@ import project_env  # noqa: F401  (first: the project's Python, whatever `python
 
 import torch
 from hydra import compose, initialize_config_dir
-from timm.optim import create_optimizer_v2
 
 from benchmark import (  # scripts/: shared by the benchmarks
     ROOT,
@@ -37,6 +36,7 @@ from benchmark import (  # scripts/: shared by the benchmarks
     paired_ratio,
     timed_rounds,
 )
+from plugins.optim import create_optimizer
 from plugins.sam import SharpnessAware, freeze_except
 from plugins.scale import effective_config
 from plugins.timm.models import model_from_config
@@ -60,8 +60,8 @@ def update_of(variant: str, model: str, norm: str, images, labels):
     net = model_from_config(cfg).train()
     freeze_except(net, variant if variant.startswith("norm") else "all", net.get_classifier())
     recipe = cfg.recipe
-    optimizer = create_optimizer_v2([p for p in net.parameters() if p.requires_grad],
-                                    opt=recipe.opt, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    optimizer = create_optimizer([p for p in net.parameters() if p.requires_grad], cfg.optimizer,
+                                 lr=recipe.lr, weight_decay=recipe.weight_decay)
     sam = None
     if cfg.sam.name != "none":
         options = {key: value for key, value in cfg.sam.items() if key != "name"}

@@ -237,16 +237,18 @@ def _settings_config(tmp_path, *overrides, exp="mask_rcnn_swin_t_un"):
     return cfg
 
 
-def test_recipe_opt_is_timms_optimizer_of_that_name_as_in_torchvision(tmp_path):
-    from timm.optim import create_optimizer_v2
+def test_the_optimizer_is_the_one_torchvision_builds_with_its_options(tmp_path):
+    from plugins.optim import create_optimizer
 
-    for opt in ("sgd", "adamw"):
-        cfg = _settings_config(tmp_path, f"recipe.opt={opt}")
+    for opt in ("sgd", "adamw", "adamp", "sgdp"):
+        cfg = _settings_config(tmp_path, f"optimizer={opt}")
         mm = mmdet_config(cfg, tmp_path / "run", Distributed("cpu"))
         backbone = MODELS.build({**TINY_SWIN, "norm_cfg": norm_cfg("un")})
         optimizer = build_optim_wrapper(backbone, mm.optim_wrapper).optimizer
-        reference = create_optimizer_v2(backbone, opt=opt, lr=1.0, weight_decay=0.05)
+        reference = create_optimizer(backbone.parameters(), cfg.optimizer, lr=1.0, weight_decay=0.05)
         assert type(optimizer) is type(reference)
+        for key, value in cfg.optimizer.items():  # every option of the yaml, as it states it
+            assert key == "name" or optimizer.defaults[key] == (tuple(value) if key == "betas" else value)
         scheduled = ("lr", "weight_decay")
         assert ({k: v for k, v in optimizer.defaults.items() if k not in scheduled}
                 == {k: v for k, v in reference.defaults.items() if k not in scheduled})

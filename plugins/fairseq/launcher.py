@@ -35,6 +35,10 @@ Settings of ``configs/train.yaml``, as translation takes them:
   run) and ``sam_perturbed_parameters``. SAM with more than one micro-batch per update, and
   ``norm+head`` with the output projection tied to the embeddings (the recipes'
   ``share_all_embeddings``), are refused, naming the fix.
+* ``optimizer=<name>`` is fairseq's optimizer of that algorithm with every option stated
+  (``optimizer_flags``: ``adamw`` fairseq's adam, whose decay is decoupled; ``adamp`` and
+  ``sgdp`` the release's, registered by the user dir); optimizer flags in ``recipe.train``
+  and an option fairseq's optimizer lacks are refused.
 * Checkpoints given from outside (``init_from``, the ``resume`` directory's) are read without
   running their pickle (``plugins.fairseq.checkpoints``) before fairseq loads them;
   ``trust_checkpoint=true`` is the opt-in for files that need more.
@@ -54,6 +58,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from plugins.norms import fit_norm_to_run, norm_kwargs
+from plugins.optim import optimizer_options
 from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, RunDirectory,
                             TrainingCollapsed, record_collapse, rejected_steps,
                             run_folder_lock, run_logger, run_meta)
@@ -116,6 +121,44 @@ def fairseq_flags(options: Mapping) -> list[str]:
         elif value is not None and value is not False:
             flags += [flag, str(value)]
     return flags
+
+
+#: fairseq's optimizer for each of ``plugins.optim``'s, and its flag for each option (None:
+#: fairseq's has none, so only false passes): fairseq's adam decays weights decoupled, as
+#: AdamW; adamp and sgdp are the release's (the user dir's)
+FAIRSEQ_OPTIMIZERS = {
+    "adamw": ("adam", {"betas": "adam_betas", "eps": "adam_eps"}),
+    "sgd": ("sgd", {"momentum": "momentum", "nesterov": None}),
+    "adamp": ("adamp", {"betas": "adam_betas", "eps": "adam_eps", "delta": "delta",
+                        "wd_ratio": "wd_ratio", "nesterov": "nesterov"}),
+    "sgdp": ("sgdp", {"momentum": "momentum", "nesterov": "nesterov", "eps": "eps",
+                      "delta": "delta", "wd_ratio": "wd_ratio"}),
+}
+#: recipe.train keys that would choose the optimizer or its options past ``optimizer``
+OPTIMIZER_FLAGS = {"optimizer"} | {flag for _, flags in FAIRSEQ_OPTIMIZERS.values()
+                                   for flag in flags.values() if flag}
+
+
+def optimizer_flags(cfg: DictConfig) -> list[str]:
+    """fairseq-train's flags for the run's ``optimizer``, every option stated: ``--optimizer
+    adam --adam-betas (0.9,0.98) --adam-eps 1e-08``. An option fairseq's optimizer lacks (SGD's
+    Nesterov momentum) and optimizer flags in ``recipe.train`` are refused."""
+    name, options = optimizer_options(cfg.optimizer)
+    set_twice = sorted(OPTIMIZER_FLAGS & set(cfg.recipe.train))
+    if set_twice:
+        raise ValueError(f"recipe.train.{set_twice[0]}: translation's optimizer and its options "
+                         f"come from optimizer=<name> (configs/optimizer; this run's: {name}); "
+                         f"drop recipe.train.{set_twice[0]} and set optimizer=... or "
+                         "optimizer.<option>=...")
+    fairseq_name, flags = FAIRSEQ_OPTIMIZERS[name]
+    for key, value in options.items():
+        if flags[key] is None and value:
+            raise ValueError(f"optimizer={name} with {key}={value}: fairseq's {fairseq_name} has "
+                             f"no {key}; set optimizer.{key}=false for translation")
+    if "betas" in options:
+        options["betas"] = "({},{})".format(*options["betas"])
+    return ["--optimizer", fairseq_name] + fairseq_flags(
+        {flags[key]: value for key, value in options.items() if flags[key]})
 
 
 def _container(node: Optional[DictConfig]) -> dict:
@@ -261,6 +304,7 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
     command += sam_flags(_container(cfg.get("sam"))) + train_only_flags(cfg.train_only)
     train = _container(cfg.recipe.train)
     train["lr"] = train["lr"] * cfg.lr_multiple
+    command += optimizer_flags(cfg)
     command += fairseq_flags(_container(cfg.model.args)) + fairseq_flags(train)
     command += precision_flags(cfg, device)
     if cfg.init_from:

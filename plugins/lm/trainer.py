@@ -1,7 +1,7 @@
 """Language-model pretraining (a Llama-style decoder with any norm at any placement) on the
-shared training loop: AdamW, linear warm-up and cosine decay per update, gradient
-accumulation to a fixed number of sequences per update, validation loss over a fixed set of
-token windows. The task's parts (``TASK``) of the shared run skeleton,
+shared training loop: the run's optimizer (``optimizer``, AdamW by default: ``plugins.optim``),
+linear warm-up and cosine decay per update, gradient accumulation to a fixed number of
+sequences per update, validation loss over a fixed set of token windows. The task's parts (``TASK``) of the shared run skeleton,
 ``plugins.training.train``.
 
 An "epoch" of the shared loop is ``recipe.eval_every`` updates: the run validates, logs and
@@ -24,6 +24,7 @@ from timm.scheduler import create_scheduler_v2
 from plugins import fsdp
 from plugins.distributed import Distributed
 from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
+from plugins.optim import create_optimizer
 from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
 from plugins.training import Plan, Run, Steps, Task, epoch_plan
@@ -149,9 +150,9 @@ def _optimizer(run: Run):
     decay, no_decay = [], []
     for param in run.model.parameters():
         (decay if param.ndim > 1 else no_decay).append(param)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=recipe.lr * cfg.lr_multiple, betas=tuple(recipe.betas))
+    return create_optimizer([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            cfg.optimizer, lr=recipe.lr * cfg.lr_multiple, weight_decay=recipe.weight_decay)
 
 
 def _scheduler(run: Run):

@@ -20,9 +20,9 @@ Conventions shared with the other trainers:
 - ``device`` is honoured (mmengine alone would take any visible GPU); ``amp`` is bf16, or
   fp16 with a loss scaler the norms do not see (``unnorm.GradScaler``), on CUDA, as
   ``plugins.precision.amp_context`` decides, and autocast on a CPU is refused (mmengine's
-  is GPU-only); ``recipe.opt`` is timm's optimizer of that name, as in the torchvision
-  backend; ``scale.max_steps_per_epoch`` caps the batches of an epoch; ``logger`` as
-  everywhere (``plugins.logger``).
+  is GPU-only); ``optimizer`` is timm's optimizer of that name with its options
+  (``plugins.optim``), as in the torchvision backend; ``scale.max_steps_per_epoch`` caps
+  the batches of an epoch; ``logger`` as everywhere (``plugins.logger``).
 - Training through the norms (``sam=sam|sam_on|asam|asam_on``, ``train_only=norm|norm+head``,
   ``plugins.sam``): the runner freezes the model (``freeze_except``; the head of
   ``norm+head`` is the ROI heads, ``roi_head``, as in the torchvision backend) before DDP
@@ -57,13 +57,13 @@ from mmengine.registry import OPTIMIZERS
 from mmengine.runner import Runner
 from mmengine.runner.checkpoint import _load_checkpoint_to_model
 from omegaconf import DictConfig, OmegaConf
-from timm.optim import create_optimizer_v2
 
 import unnorm
 from plugins.checkpoints import load_checkpoint, read_checkpoint, save_atomic
 from plugins.distributed import Distributed, per_replica_buffers
 from plugins.model_options import as_patterns, standardize_layers, standardized_layers
 from plugins.norms import norm_kwargs
+from plugins.optim import create_optimizer, optimizer_options
 from plugins.precision import autocast_dtype
 from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
                             record_collapse, rejected_steps, run_logger, run_meta)
@@ -235,10 +235,10 @@ class CappedAspectRatioBatchSampler(AspectRatioBatchSampler):
 
 
 @OPTIMIZERS.register_module(name="TimmOptimizer", force=True)
-def timm_optimizer(params, opt: str, lr: float, weight_decay: float, **kwargs):
-    """timm's ``create_optimizer_v2``: ``recipe.opt`` names the same optimizer (defaults
-    included) in both detection backends; mmengine's param groups carry the decay rules."""
-    return create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay, **kwargs)
+def timm_optimizer(params, optimizer: dict, lr: float, weight_decay: float):
+    """timm's optimizer of the run's ``optimizer`` config (``plugins.optim``), as the
+    torchvision backend builds it; mmengine's param groups carry the decay rules."""
+    return create_optimizer(params, optimizer, lr=lr, weight_decay=weight_decay)
 
 
 def plain_logged_values(checkpoint: dict) -> None:
@@ -398,8 +398,9 @@ def mmdet_config(cfg: DictConfig, out_dir: Path, world: Distributed) -> Config:
                                                  max_batches=cfg.scale.max_steps_per_epoch)
     peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
     mm.optim_wrapper.update(amp_optim_wrapper(cfg.amp, world.device))
-    mm.optim_wrapper.optimizer = dict(type="TimmOptimizer", opt=recipe.opt, lr=peak_lr,
-                                      weight_decay=recipe.weight_decay)
+    optimizer_options(cfg.optimizer)  # refused here, before mmengine builds anything
+    mm.optim_wrapper.optimizer = dict(type="TimmOptimizer", lr=peak_lr, weight_decay=recipe.weight_decay,
+                                      optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True))
     if recipe.clip_grad:
         mm.optim_wrapper.clip_grad = dict(max_norm=recipe.clip_grad)
     mm.param_scheduler = [

@@ -14,13 +14,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, accuracy
 from torch import nn
 
 from plugins.distributed import Distributed
 from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
+from plugins.optim import create_optimizer
 from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
 from plugins.training import Plan, Run, Steps, Task, epoch_plan, load_weights
@@ -109,9 +109,8 @@ def _ema(run: Run):
 def _optimizer(run: Run):
     cfg, recipe = run.cfg, run.cfg.recipe
     lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
-    return create_optimizer_v2(
-        _param_groups(run.model, recipe.weight_decay, recipe.backbone_lr_ratio), opt=recipe.opt,
-        lr=lr, weight_decay=recipe.weight_decay, momentum=recipe.momentum)
+    return create_optimizer(_param_groups(run.model, recipe.weight_decay, recipe.backbone_lr_ratio),
+                            cfg.optimizer, lr=lr, weight_decay=recipe.weight_decay)
 
 
 def _scheduler(run: Run):

@@ -1,5 +1,5 @@
 """Detection training (torchvision Faster / Mask R-CNN, Swin backbone with any norm) and COCO
-evaluation. The schedule follows mmdetection's Swin configs: AdamW, linear warm-up over
+evaluation. The schedule follows mmdetection's Swin configs: AdamW (``optimizer``), linear warm-up over
 iterations, step decay at given epochs, multi-scale training. The task's parts (``TASK``) of
 the shared run skeleton, ``plugins.training.train``.
 
@@ -14,11 +14,12 @@ from typing import Sequence
 
 import torch
 from omegaconf import DictConfig
-from timm.optim import create_optimizer_v2, param_groups_weight_decay
+from timm.optim import param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 
 from plugins.distributed import Distributed
 from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
+from plugins.optim import create_optimizer
 from plugins.runlog import DETECTION_CHANCE, run_meta
 from plugins.training import Plan, Run, Steps, Task, epoch_plan, load_weights
 from plugins.training import train as train_task
@@ -99,10 +100,9 @@ def _optimizer(run: Run):
     skip = {f"backbone.body.{name}" for name in model.backbone.body.no_weight_decay()}
     skip |= {name for name, _ in model.named_parameters() if "relative_position_bias_table" in name}
     peak_lr = recipe.lr * recipe.batch_size / recipe.lr_batch * cfg.lr_multiple
-    return create_optimizer_v2(
+    return create_optimizer(
         param_groups_weight_decay(model, recipe.weight_decay, no_weight_decay_list=skip),
-        opt=recipe.opt, lr=peak_lr,
-        weight_decay=recipe.weight_decay)
+        cfg.optimizer, lr=peak_lr, weight_decay=recipe.weight_decay)
 
 
 def _scheduler(run: Run):
