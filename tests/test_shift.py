@@ -3,6 +3,7 @@ CIFAR-10-C's published formula and constants, the test streams against UnMix-TNS
 construction, and the entry point end to end on a trained run."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import subprocess
@@ -291,12 +292,29 @@ def test_evaluation_checks_the_state_and_refuses_a_model_with_nothing_to_adapt()
 
 
 def evaluate(*args):
+    """scripts/evaluate.py as a user runs it, in its own process."""
     return subprocess.run([sys.executable, "scripts/evaluate.py", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
+def evaluate_here(capsys, *args) -> tuple[int, str, str]:
+    """scripts/evaluate.py's ``main`` in this process (a process of its own starts in tens of
+    seconds): its exit code, stdout and stderr, a ``sys.exit`` message counted as stderr."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code, message = 0, ""
+    try:
+        script.main([str(arg) for arg in args])
+    except SystemExit as exit:
+        code, message = (1, exit.code) if isinstance(exit.code, str) else (exit.code, "")
+    out = capsys.readouterr()
+    return code, out.out, out.err + message
+
+
 @pytest.mark.slow
-def test_evaluate_records_beside_a_trained_run_and_refuses_bad_settings(tmp_path):
+def test_evaluate_records_beside_a_trained_run_and_refuses_bad_settings(tmp_path, capsys):
     run = tmp_path / "bn"
     train(digits_config("+exp=t2t_vit_14_bn", "recipe.epochs=1", "scale.max_steps_per_epoch=4"), run)
     weights = torch.load(run / "last.pt", weights_only=False)["model"]
@@ -305,9 +323,8 @@ def test_evaluate_records_beside_a_trained_run_and_refuses_bad_settings(tmp_path
                      "--batch", "16"],
                     ["--test-time", "tbn", "--shift", "contrast:5", "--stream", "sorted", "--batch", "1"],
                     ["--stream", "iid", "--batch", "64"], ["--stream", "iid", "--batch", "64"]):
-        proc = evaluate(run, *setting)
-        assert proc.returncode == 0, proc.stderr
-        assert "top-1" in proc.stdout
+        code, out, err = evaluate_here(capsys, run, *setting)
+        assert code == 0 and "top-1" in out, err
     names = sorted(p.name for p in records.iterdir())
     assert names == ["source_none_iid_b64_s0.2.json", "source_none_iid_b64_s0.json",
                      "tbn_contrast-5_sorted_b1_s0.json", "unmix_gaussian_noise-3_dirichlet_b16_s0.json"]
@@ -327,15 +344,16 @@ def test_evaluate_records_beside_a_trained_run_and_refuses_bad_settings(tmp_path
                              (["--stream", "shuffled"], "invalid choice: 'shuffled'"),
                              (["--batch", "65"], "1 to 64"),
                              (["--test-time", "tent"], "invalid choice: 'tent'")):
-        proc = evaluate(run, *refused)
-        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+        code, _, err = evaluate_here(capsys, run, *refused)
+        assert code != 0 and message in err, err
     assert sorted(p.name for p in records.iterdir()) == names  # a refusal writes nothing
     ln = tmp_path / "ln"
     ln.mkdir()
     cfg = digits_config("+exp=t2t_vit_14_ln")
     torch.save({"model": model_from_config(cfg).state_dict(),
                 "config": OmegaConf.to_container(cfg, resolve=True)}, ln / "last.pt")
-    proc = evaluate(ln, "--test-time", "ema")
-    assert proc.returncode != 0 and "this run's norm ln" in proc.stderr and "nothing to adapt" in proc.stderr
+    code, _, err = evaluate_here(capsys, ln, "--test-time", "ema")
+    assert code != 0 and "this run's norm ln" in err and "nothing to adapt" in err
     assert not (ln / "test_time").exists()
-    assert evaluate(ln).returncode == 0  # source evaluates every norm
+    proc = evaluate(ln)  # as a user runs it; source evaluates every norm
+    assert proc.returncode == 0 and "top-1" in proc.stdout, proc.stderr
