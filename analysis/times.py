@@ -2,7 +2,7 @@
 
 Two sources: ``results/benchmarks/times.json``, what ``scripts/measure_times.py`` measured
 (the test suite, the README's quick-start commands: wall time, commit, machine, date), and
-the committed run records, whose ``metrics.jsonl`` time stamps give each run's training time.
+the committed run records, whose ``metrics.jsonl`` time stamps give each run's time.
 Reads records only.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ PAGE = ROOT / "docs" / "times.md"
 
 
 def run_seconds(record: Path) -> Optional[float]:
-    """A run's training time from its ``metrics.jsonl``: the span of its rows' time stamps,
+    """A run's time from its ``metrics.jsonl``: the span of its rows' time stamps,
     stretched by one row's share for the first (its start is not stamped); a one-row record
     needs the row's ``epoch_time_s``. None where the record cannot say."""
     path = record / "metrics.jsonl"
@@ -51,9 +51,10 @@ def group_times(records: Path) -> dict[str, tuple[int, int, float]]:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
     minutes = round(seconds / 60)
-    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else (
-        f"{minutes} min" if minutes else f"{seconds:.0f} s")
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
 def render(measured: dict, grid: dict[str, int], records: Path) -> str:
@@ -78,7 +79,7 @@ def render(measured: dict, grid: dict[str, int], records: Path) -> str:
         lines.append("")
     times = group_times(records)
     lines += ["## The CPU mini-reproduction (`bash scripts/reproduce_cpu.sh`)", "",
-              "Per group: the runs the script lists, the records committed, and their training "
+              "Per group: the runs the script lists, the records committed, and their run "
               "time summed from the records' time stamps (one thread a run; two at a time on a "
               "2-core machine take about half of it in wall-clock time).", "",
               "| group | runs listed | records | run time (records with time stamps) |",
