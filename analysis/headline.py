@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from matplotlib.figure import Figure
 from scipy import stats
 
 from analysis.claims import group_runs
+from analysis.plots import save_figure
 from analysis.runs import LOWER_IS_BETTER, STABILITY_KEY, override_value, setting, where
 from analysis.significance import DIGITS, Cell, holm
 
@@ -234,11 +236,8 @@ def readme_with(text: str, rows: list[Row], figure: str) -> str:
 def forest(rows: list[Row], path: Path) -> None:
     """UN − LN per testbed with its 95% interval, one panel per testbed in its own unit, the
     axis turned so that right is better for UN."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(rows), 1, figsize=(6.4, 1.0 + 0.9 * len(rows)), squeeze=False)
+    fig = Figure(figsize=(6.4, 1.0 + 0.9 * len(rows)), layout="constrained")
+    axes = fig.subplots(len(rows), 1, squeeze=False)
     for ax, row in zip(axes[:, 0], rows):
         low, high = row.interval
         colour = "tab:gray" if row.verdict == "inconclusive" else (
@@ -258,7 +257,4 @@ def forest(rows: list[Row], path: Path) -> None:
     fig.suptitle("UN − LN per CPU testbed: 95% Welch intervals (uncorrected), right is better "
                  "for UN;\nafter Holm's correction red: UN below LN, green: above, grey: "
                  "inconclusive", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
