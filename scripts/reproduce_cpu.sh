@@ -103,6 +103,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
   done
   translation_ladder_runs
   literature_runs
+  test_time_runs
   for seed in $MAIN_SEEDS; do  # seed by seed, so that a stopped grid has whole seeds
     for model in swin_t t2t_vit_14; do for norm in ln bn un; do
       for sam in sam sam_on asam_on; do
@@ -178,6 +179,16 @@ third_seed_at_best() {  # <group> <"name rate" lines> <"name overrides" lines>: 
     [[ -n $overrides && $lr != 1 && ( $group != lm_stability || ( $lr != 3 && $lr != 10 ) ) ]] || continue
     echo "$group/$name-lr${lr}x-s2 $overrides lr_multiple=$lr seed=2"
   done <<< "$2"
+}
+
+TEST_TIME_NORMS="ln bn mabn pn un prepbn bcn evonorm_b0"
+
+test_time_runs() {  # the shift benchmark's models (docs/test_time.md), checkpoints kept in $OUT:
+  # LN and the norms that keep running statistics, at the recipe (ln ... prepbn at seeds 0-2 are
+  # the main runs trained again, for their checkpoints)
+  for seed in $PROBE_SEEDS; do for model in swin_t t2t_vit_14; do for norm in $TEST_TIME_NORMS; do
+    echo "test_time/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed"
+  done; done; done
 }
 
 lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
