@@ -298,6 +298,29 @@ if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   echo "trained $(selected "$@" | wc -l) runs (finished ones skipped) in $(( (SECONDS - started) / 60 )) min, $JOBS at a time"
 fi
 
+# the shift benchmark (docs/test_time.md) on the test_time runs' checkpoints: every corruption
+# at severities 3 and 5 and clean; source once (its evaluation reads no stream), the four
+# test-time modes on each stream; LN, which keeps no statistic, at source. A setting with a
+# record is skipped, so an interrupted evaluation continues.
+evaluate_shift() {  # <run directory under $OUT/test_time>
+  local run=$1 shifts="none all:3 all:5"
+  "$PY" scripts/evaluate.py "$run" --missing --shift $shifts > "$run.shift.log" 2>&1 || return 1
+  [[ $(basename "$run") == *_ln-s* ]] && return 0
+  "$PY" scripts/evaluate.py "$run" --missing --shift $shifts --test-time tbn alpha ema unmix \
+    --stream iid sorted dirichlet >> "$run.shift.log" 2>&1 || return 1
+  echo "evaluated $run"
+}
+export -f evaluate_shift
+if selected "$@" | grep -q '^test_time/'; then
+  find "$OUT/test_time" -mindepth 2 -maxdepth 2 -name result.json -printf '%h\n' 2>/dev/null | sort \
+    | OMP_NUM_THREADS=1 xargs -r -n 1 -P "$JOBS" bash -c 'evaluate_shift $1 || echo "FAILED to evaluate $1 (see $1.shift.log)" >&2' _
+  for run in "$OUT"/test_time/*/test_time; do  # new records only: none is overwritten
+    [[ -d "$run" ]] || continue
+    dest="$RECORDS/test_time/$(basename "$(dirname "$run")")/test_time"
+    mkdir -p "$dest" && cp -n "$run"/*.json "$dest"/
+  done
+fi
+
 # the records of every run finished since its last copy (this call's, or an interrupted
 # call's) replace that run's older ones; a run copied before (marked .synced) is not copied
 # again, so a later record of it (a re-run elsewhere, a relabelling) stays. Records of runs

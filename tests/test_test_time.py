@@ -547,10 +547,18 @@ def test_bad_calls_are_refused_naming_the_fix():
         unnorm.test_time(norm, "alpha", alpha=1.5)
     with pytest.raises(ValueError, match="nothing to adapt"):
         unnorm.test_time(nn.Sequential(nn.Linear(2, 2), unnorm.build_norm("ln", C)), "tbn")
-    with unnorm.test_time(norm, "unmix"):
+    with pytest.raises(ValueError, match="one_position must be one of source, refuse"):
+        unnorm.test_time(norm, "unmix", one_position="instance")
+    with unnorm.test_time(norm, "unmix", one_position="refuse"):
         for rows in (torch.randn(4, C), torch.randn(4, 1, C)):  # one position each
-            with pytest.raises(ValueError, match="more than one position"):
+            with pytest.raises(ValueError, match="more than one position.*one_position='source'"):
                 norm(rows.double())
+    one_position = [torch.randn(4, C).double(), torch.randn(4, 1, C).double()]
+    as_trained = [norm.eval()(rows) for rows in one_position]
+    with unnorm.test_time(norm, "unmix") as adapted:  # the release's UnMixTNS1d: the source
+        for rows, expected in zip(one_position, as_trained):
+            assert torch.equal(norm(rows), expected)
+        assert adapted.at_source() == {"": 2}
         with pytest.raises(RuntimeError, match="already adapted"):
             unnorm.test_time(norm, "tbn")
 

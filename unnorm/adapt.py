@@ -49,8 +49,13 @@ MODES = {
     "tbn": {},
     "alpha": {"alpha": 0.1},
     "ema": {},
-    "unmix": {"components": 16, "temperature": 0.07, "batch_size_max": 64, "seed": 0},
+    "unmix": {"components": 16, "temperature": 0.07, "batch_size_max": 64, "seed": 0,
+              "one_position": "source"},
 }
+#: what unmix does with input of one position per example, whose instance variance is 0:
+#: ``source`` normalises it by the source statistics, as the release's ``UnMixTNS1d`` does
+#: (``unmixtns.py`` lines 126-139); ``refuse`` raises
+UNMIX_ONE_POSITION = ("source", "refuse")
 #: the release's share of the source variance given to the spread of the components' means
 #: (``unmixtns.py`` line 44, ``coeff``)
 UNMIX_SPREAD = 0.5
@@ -128,6 +133,12 @@ class AdaptedNorms:
         left the adapted statistics as they were."""
         return {name: int(a.num_rejected) for name, a in zip(self.norms, self._adaptations)}
 
+    def at_source(self) -> dict[str, int]:
+        """Per norm, unmix's calls whose input had one position per example and was normalised
+        by the source statistics (``one_position='source'``); only the norms with any."""
+        return {name: a.num_at_source for name, a in zip(self.norms, self._adaptations)
+                if a.num_at_source}
+
     def fixed_statistics(self) -> dict[str, torch.Tensor]:
         """The adapted statistics as state-dict entries (``<norm>.running_var``, ...), where
         they are fixed: ``source``; ``alpha``, the latest accepted batch's mix; ``ema``, now.
@@ -192,6 +203,9 @@ def _check_options(options: dict) -> None:
                          "release's is 0.07")
     if not isinstance(options.get("seed", 0), int):
         raise ValueError(f"seed must be an int, got {options['seed']!r}")
+    if options.get("one_position", "source") not in UNMIX_ONE_POSITION:
+        raise ValueError(f"one_position must be one of {', '.join(UNMIX_ONE_POSITION)}, got "
+                         f"{options['one_position']!r}; the release's UnMixTNS1d is 'source'")
 
 
 def _refuse(model: nn.Module) -> None:
@@ -224,6 +238,7 @@ class _Adaptation:
         self.examples: Optional[int] = None  # of the call under way; None: one position each
         self.shape: tuple = ()
         self.num_rejected = torch.zeros((), dtype=torch.long, device=self.source[self.names[0]].device)
+        self.num_at_source = 0  # unmix's calls with one position per example
 
     # --- installing -------------------------------------------------------------------------
 
@@ -341,11 +356,15 @@ class _Adaptation:
         """``UnMixTNS2d.forward`` (``unmixtns.py`` lines 77-122) on batch-first rows, its
         statistics per example (``(B, C)``, broadcast to the example's rows)."""
         if self.examples is None:
+            if self.owner.options["one_position"] == "source":  # UnMixTNS1d
+                self.num_at_source += 1
+                return self.source
             raise ValueError(f"{type(self.norm).__name__}: unmix takes instance statistics over "
                              "each example's positions and needs batch-first input with more "
                              "than one position, (B, N, C) tokens or (B, H, W, C) maps; got "
                              f"{self.shape} (one position's variance is 0). Use tbn, alpha or "
-                             "ema for such input")
+                             "ema for such input, or one_position='source' (the release's "
+                             "UnMixTNS1d)")
         examples, temperature = self.examples, self.owner.options["temperature"]
         inst_mean, inst_var, count = instance_moments(rows, valid, examples)
         old_means, old_vars = self.means.to(rows.dtype), self.vars.to(rows.dtype)  # float64 input

@@ -268,6 +268,8 @@ def evaluate_stream(model: torch.nn.Module, dataset, order: np.ndarray, batch: i
         if adapted is not None:
             record = {"adapted_norms": len(adapted.norms), "kept": dict(adapted.kept),
                       "rejected_batches": adapted.rejected()}
+            if mode == "unmix":
+                record["one_position_at_source"] = adapted.at_source()
     finally:
         if adapted is not None:
             adapted.close()
