@@ -16,10 +16,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from analysis import headline
-from analysis.tables import Table, table_markdown
+from analysis import headline, test_time
+from analysis.tables import Table, build_tables, table_markdown
 
 BLOCK = re.compile(r"(<!-- generated: (.*?) -->\n).*?(<!-- end generated -->)", re.S)
+
+
+def all_tables(paper: dict, runs: list[dict], benchmarks: Path, test_time_root: Path) -> list[Table]:
+    """Every table ``make_tables.py`` writes: the paper's and the studies' from the runs
+    (``build_tables``), then the shift benchmark's from its own records (``analysis.test_time``)."""
+    shifted = test_time.load(test_time_root) if test_time_root.is_dir() else []
+    return build_tables(paper, runs, benchmarks) + test_time.tables(shifted)
 
 
 def fill(text: str, tables: list[Table]) -> str:

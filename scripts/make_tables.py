@@ -5,7 +5,8 @@
 
 Reads every ``result.json`` under each ``--runs`` folder and the paper's numbers in
 ``results/paper/tables.yaml``; writes ``tables.md``, ``tables.tex`` and the headline (UN
-against LN per testbed: ``headline.md``, its forest plot ``headline.png``). From the
+against LN per testbed: ``headline.md``, its forest plot ``headline.png``), and the shift
+benchmark's tables and figure from ``--test-time`` (``analysis.test_time``). From the
 committed runs it also rewrites the tables the results pages and the README quote
 (``analysis.pages``). A cell of ours is the
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
@@ -30,9 +31,9 @@ sys.path.insert(0, str(ROOT))  # analysis/ from a plain checkout
 COMMITTED_RUNS = ROOT / "results" / "runs"
 COMMITTED_TABLES = ROOT / "results" / "tables"
 
-from analysis import headline, pages  # noqa: E402
+from analysis import headline, pages, test_time  # noqa: E402
 from analysis.runs import broken_text, load_runs, runs_read  # noqa: E402
-from analysis.tables import build_tables, to_latex, to_markdown  # noqa: E402
+from analysis.tables import to_latex, to_markdown  # noqa: E402
 
 
 def main() -> None:
@@ -41,6 +42,8 @@ def main() -> None:
                         help="run folders, searched for result.json (default: the committed runs)")
     parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper" / "tables.yaml")
     parser.add_argument("--benchmarks", type=Path, default=ROOT / "results" / "benchmarks")
+    parser.add_argument("--test-time", type=Path, default=ROOT / "results" / "test_time",
+                        help="the shift benchmark's runs and evaluations (scripts/evaluate.py)")
     parser.add_argument("--out", type=Path, default=COMMITTED_TABLES,
                         help="where tables.md and tables.tex go (default: the committed tables, "
                              "written only from the committed runs)")
@@ -55,7 +58,7 @@ def main() -> None:
                  "alone; give these runs' tables a folder of their own: --out <folder>")
     runs = [run for folder in args.runs for run in load_runs(folder)]
     paper = yaml.safe_load(args.paper.read_text())
-    tables = build_tables(paper, runs, args.benchmarks)
+    tables = pages.all_tables(paper, runs, args.benchmarks, args.test_time)
     rows = headline.headline_rows(runs, paper)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tables.md").write_text(to_markdown(tables, runs))
@@ -69,6 +72,9 @@ def main() -> None:
         print(f"UN against LN on {len(rows)} testbeds -> headline.md, {headline.FIGURE}")
     else:
         print("no headline: no testbed has two learned runs of both LN and UN")
+    shifted = test_time.load(args.test_time) if args.test_time.is_dir() else []
+    if test_time.figure(shifted, args.out / test_time.FIGURE):
+        print(f"the shift benchmark's {len(shifted)} runs -> {test_time.FIGURE}")
     if args.out.resolve() == COMMITTED_TABLES:  # the pages that quote them
         for page, text in pages.regenerated(ROOT, tables, rows).items():
             page.write_text(text)

@@ -44,6 +44,10 @@ OUT=${OUT:-runs/cpu_repro}
 # where the records are copied; the tables and figures below read results/runs/cpu, so set
 # it only to copy elsewhere (the tests do)
 RECORDS=${RECORDS:-results/runs/cpu}
+# the shift benchmark's models (the test_time group) and their evaluations: apart from the
+# training studies' records, which the tables read (seeds 0-2 of LN ... PRepBN train the main
+# runs again, for their checkpoints: counted there, they would count twice)
+TEST_TIME_RECORDS=${TEST_TIME_RECORDS:-results/test_time}
 # where a record that the current CPU rule would train differently goes when its re-run lands
 # (python -m analysis.runs --superseded: a warm-up shorter than the floor of issue 30)
 SUPERSEDED_RECORDS=${SUPERSEDED_RECORDS:-results/superseded/warmup_before_floor}
@@ -251,6 +255,11 @@ lm_ladder_settings() {  # the LM's settings on the learning-rate ladder: <name> 
     echo "llama_cpu_rms-$position +exp=llama_71m_rms model.norm_position=$position"; done
 }
 
+record_of() {  # <group>/<name>: where its records are committed
+  if [[ $1 == test_time/* ]]; then echo "$TEST_TIME_RECORDS/${1#test_time/}"; else echo "$RECORDS/$1"; fi
+}
+export -f record_of
+
 run_one() {  # <group>/<name> <overrides...>
   local name=$1; shift
   if grep -qxF "$name" "$SUPERSEDED"; then  # made under an earlier rule: trained again
@@ -258,7 +267,7 @@ run_one() {  # <group>/<name> <overrides...>
     mkdir -p "$OUT/$name" && touch "$OUT/$name/.rerun"
     [[ -f "$OUT/$name/result.json" ]] && return 0
   else  # finished here, or recorded (committed) by an earlier grid on any machine
-    [[ -f "$OUT/$name/result.json" || -f "$RECORDS/$name/result.json" ]] && return 0
+    [[ -f "$OUT/$name/result.json" || -f "$(record_of "$name")/result.json" ]] && return 0
   fi
   mkdir -p "$OUT/$(dirname "$name")"
   if ! "$PY" scripts/train.py "$@" scale=cpu logger=none "hydra.run.dir=$OUT/$name" \
@@ -272,7 +281,7 @@ export -f run_one
 SUPERSEDED=$(mktemp)
 trap 'rm -f "$SUPERSEDED"' EXIT
 "$PY" -m analysis.runs --superseded "$RECORDS" > "$SUPERSEDED"
-export PY OUT RECORDS SUPERSEDED
+export PY OUT RECORDS TEST_TIME_RECORDS SUPERSEDED
 
 listing=0
 if [[ "${1:-}" == --list ]]; then listing=1; shift; fi
@@ -298,6 +307,26 @@ if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
   echo "trained $(selected "$@" | wc -l) runs (finished ones skipped) in $(( (SECONDS - started) / 60 )) min, $JOBS at a time"
 fi
 
+# the records of every run finished since its last copy (this call's, or an interrupted
+# call's) replace that run's older ones; a run copied before (marked .synced) is not copied
+# again, so a later record of it (a re-run elsewhere, a relabelling) stays. Records of runs
+# that are not under $OUT (another machine's, an earlier grid's) stay too.
+for result in "$OUT"/*/*/result.json; do
+  [[ -f "$result" ]] || continue  # nothing finished under $OUT: the pattern itself
+  run=$(dirname "$result")
+  [[ -f "$run/.synced" && ! "$result" -nt "$run/.synced" ]] && continue
+  name="$(basename "$(dirname "$run")")/$(basename "$run")"
+  dest=$(record_of "$name")
+  if grep -qxF "$name" "$SUPERSEDED" && [[ -d "$dest" ]]; then  # kept, not overwritten
+    mkdir -p "$SUPERSEDED_RECORDS/$(dirname "$name")"
+    mv "$dest" "$SUPERSEDED_RECORDS/$name"
+  fi
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  cp "$run"/result.json "$run"/config.yaml "$dest"/
+  [[ -f "$run/metrics.jsonl" ]] && cp "$run"/metrics.jsonl "$dest"/  # a run that collapsed in epoch 1 has none
+  touch "$run/.synced"
+done
 # the shift benchmark (docs/test_time.md) on the test_time runs' checkpoints: every corruption
 # at severities 3 and 5 and clean; source once (its evaluation reads no stream), the four
 # test-time modes on each stream; LN, which keeps no statistic, at source. A setting with a
@@ -316,31 +345,11 @@ if selected "$@" | grep -q '^test_time/'; then
     | OMP_NUM_THREADS=1 xargs -r -n 1 -P "$JOBS" bash -c 'evaluate_shift $1 || echo "FAILED to evaluate $1 (see $1.shift.log)" >&2' _
   for run in "$OUT"/test_time/*/test_time; do  # new records only: none is overwritten
     [[ -d "$run" ]] || continue
-    dest="$RECORDS/test_time/$(basename "$(dirname "$run")")/test_time"
+    dest="$(record_of "test_time/$(basename "$(dirname "$run")")")/test_time"
     mkdir -p "$dest" && cp -n "$run"/*.json "$dest"/
   done
 fi
 
-# the records of every run finished since its last copy (this call's, or an interrupted
-# call's) replace that run's older ones; a run copied before (marked .synced) is not copied
-# again, so a later record of it (a re-run elsewhere, a relabelling) stays. Records of runs
-# that are not under $OUT (another machine's, an earlier grid's) stay too.
-for result in "$OUT"/*/*/result.json; do
-  [[ -f "$result" ]] || continue  # nothing finished under $OUT: the pattern itself
-  run=$(dirname "$result")
-  [[ -f "$run/.synced" && ! "$result" -nt "$run/.synced" ]] && continue
-  name="$(basename "$(dirname "$run")")/$(basename "$run")"
-  dest="$RECORDS/$name"
-  if grep -qxF "$name" "$SUPERSEDED" && [[ -d "$dest" ]]; then  # kept, not overwritten
-    mkdir -p "$SUPERSEDED_RECORDS/$(dirname "$name")"
-    mv "$dest" "$SUPERSEDED_RECORDS/$name"
-  fi
-  rm -rf "$dest"
-  mkdir -p "$dest"
-  cp "$run"/result.json "$run"/config.yaml "$dest"/
-  [[ -f "$run/metrics.jsonl" ]] && cp "$run"/metrics.jsonl "$dest"/  # a run that collapsed in epoch 1 has none
-  touch "$run/.synced"
-done
 "$PY" scripts/make_tables.py
 "$PY" -m analysis.stability
 if [[ -d results/runs/cpu/lm ]]; then "$PY" -m analysis.lm_curves; fi

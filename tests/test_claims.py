@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis import claims
+from analysis import claims, pages
 from analysis.runs import load_runs
-from analysis.tables import build_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "results").glob("*.md"))
@@ -41,7 +40,8 @@ def runs(records):
 @pytest.fixture(scope="module")
 def tables(records):
     paper = yaml.safe_load((ROOT / "results" / "paper" / "tables.yaml").read_text())
-    return build_tables(paper, records, ROOT / "results" / "benchmarks")
+    return pages.all_tables(paper, records, ROOT / "results" / "benchmarks",
+                            ROOT / "results" / "test_time")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_ids)
