@@ -28,6 +28,7 @@ from tqdm import tqdm
 import unnorm
 from plugins.checkpoints import Checkpointer
 from plugins.distributed import Distributed
+from plugins.optim import UpdateRecord
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
                             metrics_row, record_collapse, rejected_steps, run_logger, save_gns,
                             save_statistics)
@@ -69,6 +70,8 @@ class EpochLoop:
                                        collapse=self.detector, scaler=scaler, **parts)
         self.start_epoch, self.step, self.metrics = 0, 0, {}
         self.sam = sharpness_aware(cfg, model, world)
+        # record_updates=true: each epoch's effective steps and projections (metrics.jsonl)
+        self.updates = UpdateRecord(optimizer) if cfg.get("record_updates") else None
         self.taps: dict = {}  # fit's statistics and GNS taps, and its logger
         self.logger = None
 
@@ -188,7 +191,8 @@ class EpochLoop:
         if self.sam is not None:  # the second pass, at the perturbed weights
             self.sam.perturbed_gradient(lambda: backward(
                 _total(forward(micro_batches[0])), self.scaler))
-        optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
+        with self.updates.step() if self.updates is not None else nullcontext():
+            optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
         self.step += 1
         self.scheduler.step_update(num_updates=self.step)
         if after_update is not None:
@@ -210,7 +214,8 @@ class EpochLoop:
                         "lr": self.optimizer.param_groups[0]["lr"],
                         **{f"train_{name}": value for name, value in means.items()},
                         "epoch_time_s": time.time() - tally.started, **evaluate(epoch)}
-        row = metrics_row(**self.metrics, lr_per_update=tally.lrs)  # the rate each update used
+        row = metrics_row(**self.metrics, lr_per_update=tally.lrs,  # the rate each update used
+                          **(self.updates.flush() if self.updates is not None else {}))
         self.logger.log(self.metrics, step=self.step)
         self._flush(tally)
         if "stats" in self.taps:

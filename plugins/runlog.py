@@ -35,7 +35,8 @@ RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "run.lock"  # held by the run writing the folder (flock), names its holder
-RESUME_KEYS = {"resume", "trust_checkpoint"}  # options a resume may change
+#: options a resume may change (the record switches too: a run from before them resumes)
+RESUME_KEYS = {"resume", "trust_checkpoint", "record_scale_invariance", "record_updates"}
 #: keys a run's config.yaml recorded before Hydra composed the scale (issue 45): the scale's
 #: variants inside the model and recipe (merged in, so recorded twice) and the scale's data
 #: names (the data itself recorded); and the recipe's optimizer before ``optimizer=`` (issue

@@ -11,7 +11,10 @@ Import direction (``tests/test_layout.py``): this module builds on ``plugins.loo
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +124,9 @@ class Task:
     without it trains with DDP only); ``compile(run)`` (default: the whole model);
     ``tapped(model)``, what ``record_statistics`` and ``record_gns`` tap (default: the
     model); ``activation_checkpointing(model)``, turns it on for
-    ``distributed.activation_checkpointing=true`` (a task without it refuses that option).
+    ``distributed.activation_checkpointing=true`` (a task without it refuses that option);
+    ``probe(model, batch)``, the outputs the loss reads of a float64 copy of the model on a
+    collated training batch, for ``record_scale_invariance`` (a task without it records none).
     """
     ranges: Mapping[str, str]
     data: Callable[[DictConfig, Distributed], Plan]
@@ -137,6 +142,7 @@ class Task:
     compile: Callable[[Run], None] = _compile
     tapped: Callable[[nn.Module], nn.Module] = lambda model: model
     activation_checkpointing: Optional[Callable[[nn.Module], None]] = None
+    probe: Optional[Callable[[nn.Module, object], object]] = None
 
 
 def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
@@ -159,6 +165,7 @@ def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] =
         if world.main:
             print(task.describe(run))
         freeze_except(run.model, cfg.train_only, head=task.head(run.model))  # train_only=norm|norm+head
+        invariance = invariance_at_start(task, run)  # the trained weights, unwrapped
         run.ema = task.ema(run) if task.ema is not None else None
         if cfg.distributed.activation_checkpointing:  # each layer recomputed in the backward
             task.activation_checkpointing(run.model)
@@ -188,8 +195,55 @@ def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] =
             forward=steps.forward, evaluate=steps.evaluate, summary=steps.summary,
             after_update=(lambda step: run.ema.update(run.model, step=step))
             if run.ema is not None else None,
-            meta={**meta, **steps.meta}, init=run.init, collate_fn=data.collate_fn,
+            meta={**meta, **steps.meta, **invariance}, init=run.init, collate_fn=data.collate_fn,
             clip_grad=cfg.recipe.clip_grad, accumulate=data.accumulate)
+
+
+SCALE_INVARIANCE_FILE = "scale_invariance.json"
+PROBE_EXAMPLES = 16  # enough for batch statistics; the float64 copy's activations stay small
+
+
+def invariance_at_start(task: Task, run: Run) -> dict:
+    """``{"scale_invariant": ...}`` for ``result.json`` (``record_scale_invariance=true``):
+    the weights the model is exactly scale-invariant in at the run's start
+    (``unnorm.scale_invariance`` on the first ``PROBE_EXAMPLES`` training examples, with
+    ``examples`` and ``seconds``), found once by rank 0 and kept in the run folder's
+    ``scale_invariance.json``, which a resume reads. A resume of a run that has no such file
+    records none: its weights are no longer the start's. The run's RNGs are left as they were."""
+    cfg, world, data = run.cfg, run.world, run.data
+    path = run.out_dir / SCALE_INVARIANCE_FILE
+    if not cfg.get("record_scale_invariance") or task.probe is None:
+        return {}
+    if path.exists():
+        return {"scale_invariant": json.loads(path.read_text())}
+    if (run.out_dir / CHECKPOINT).exists() or not world.main:
+        return {}
+    count = min(len(data.train_set), data.batch, PROBE_EXAMPLES)
+    started_at = time.time()
+    with rngs_kept(world.device):
+        collate = data.collate_fn or torch.utils.data.default_collate
+        batch = collate([data.train_set[index] for index in range(count)])
+        kinds = unnorm.scale_invariance(run.model, lambda model: task.probe(model, batch),
+                                        seed=cfg.seed)
+    record = {**unnorm.invariance_record(kinds), "examples": count,
+              "seconds": round(time.time() - started_at, 2)}
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=2))
+    os.replace(temporary, path)
+    return {"scale_invariant": record}
+
+
+@contextmanager
+def rngs_kept(device: torch.device) -> Iterator[None]:
+    """Python's, numpy's and torch's RNG states (``device``'s included) as they were before
+    the block: what it draws does not change the run."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from .prepbn import ProgressiveRepBN
 from .registry import (available_norms, build_norm, default_options, has_running_state,
                        is_foldable, is_offline, norm_layer, option_names)
 from .sample import LAYOUTS
+from .scale_invariance import invariance_record, scale_invariance
 from .scalenorm import ScaleNorm
 from .sepnorm import SeparateClassNorm, separate_class_norms
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
@@ -57,6 +58,7 @@ __all__ = [
     "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "BatchChannelNorm", "EvoNormB0", "EvoNormS0",
     "ScaleNorm",
     "SeparateClassNorm", "separate_class_norms", "LAYOUTS", "standardize_weights",
+    "scale_invariance", "invariance_record",
     "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "GradScaler", "LossScaleGuard", "UpdateStart",
     "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",
     "compress_writer", "compress_readers", "to_rms_norm", "to_compressed_rms_norm",

@@ -225,4 +225,6 @@ TASK = Task(ranges=RANGES, data=_data, describe=_describe, head=lambda model: mo
             model=lambda run: build_lm(run.cfg.model, run.cfg.norm, vocab_size=run.data.corpus.vocab_size),
             activation_checkpointing=lambda model: model.activation_checkpointing_enable(
                 {"use_reentrant": False}),
-            shard=_shard, optimizer=_optimizer, scheduler=_scheduler, steps=_steps)
+            shard=_shard, optimizer=_optimizer, scheduler=_scheduler, steps=_steps,
+            probe=lambda model, batch: model(  # record_scale_invariance: the logits
+                input_ids=batch[0].to(next(model.parameters()).device)).logits)

@@ -160,6 +160,10 @@ def _steps(run: Run) -> Steps:
                           "top1", 1.5 * 100 / num_classes, "top-1 <= 1.5 x 100/classes")))
 
 
+def _probe(model: nn.Module, batch) -> torch.Tensor:  # record_scale_invariance: the logits
+    return model(batch[0].to(next(model.parameters()).device, torch.float64))
+
+
 TASK = Task(ranges=RANGES, data=_data, model=lambda run: model_from_config(run.cfg), init=_init,
             describe=_describe, head=lambda model: model.get_classifier(), ema=_ema,
-            optimizer=_optimizer, scheduler=_scheduler, steps=_steps)
+            optimizer=_optimizer, scheduler=_scheduler, steps=_steps, probe=_probe)
