@@ -108,6 +108,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
   translation_ladder_runs
   literature_runs
   test_time_runs
+  optimizer_runs
   for seed in $MAIN_SEEDS; do  # seed by seed, so that a stopped grid has whole seeds
     for model in swin_t t2t_vit_14; do for norm in ln bn un; do
       for sam in sam sam_on asam_on; do
@@ -193,6 +194,31 @@ test_time_runs() {  # the shift benchmark's models (docs/test_time.md), checkpoi
   for seed in $PROBE_SEEDS; do for model in swin_t t2t_vit_14; do for norm in $TEST_TIME_NORMS; do
     echo "test_time/${model}_$norm-s$seed +exp=${model}_$norm seed=$seed"
   done; done; done
+}
+
+optimizer_runs() {  # AdamP against AdamW on scale-invariant weights, and the normalizer-free
+  # baseline (docs/vision.md), at 1x, 3x and 10x the recipe's rate; AdamW's LN, NoNorm and BCN
+  # with WS at 1x are the main and micro-batch runs, T2T-ViT's LN and NoNorm at 3x and 10x the
+  # stability runs, the LM's Pre-LN with qk-layernorm the lm and lm_stability runs
+  for seed in $PROBE_SEEDS; do for model in t2t_vit_14 swin_t; do for lr in 1 3 10; do
+    rate=$([[ $lr == 1 ]] || echo "lr_multiple=$lr")
+    tag=$([[ $lr == 1 ]] || echo "-lr${lr}x")
+    for setting in "ln +exp=${model}_ln" "bcn_wsres +exp=$model norm=bcn ws=residual" \
+                   "ws +exp=${model}_nonorm ws=residual"; do
+      read -r name overrides <<< "$setting"
+      echo "optimizer/${model}_$name-adamp$tag-s$seed $overrides optimizer=adamp${rate:+ $rate} seed=$seed"
+      [[ $name == ln || ( $name == bcn_wsres && $lr == 1 ) ]] && continue  # recorded elsewhere
+      echo "optimizer/${model}_$name$tag-s$seed $overrides${rate:+ $rate} seed=$seed"
+    done
+    echo "optimizer/${model}_nf$tag-s$seed +exp=${model}_nonorm ws=nf recipe.agc=0.01${rate:+ $rate} seed=$seed"
+    if [[ $model == swin_t && $lr != 1 ]]; then for norm in ln nonorm; do
+      echo "optimizer/${model}_$norm$tag-s$seed +exp=${model}_$norm $rate seed=$seed"; done; fi
+  done; done; done
+  for seed in $PROBE_SEEDS; do for lr in 1 3 10; do
+    rate=$([[ $lr == 1 ]] || echo "lr_multiple=$lr")
+    tag=$([[ $lr == 1 ]] || echo "-lr${lr}x")
+    echo "optimizer/llama_cpu_ln-qk_ln-adamp$tag-s$seed +exp=llama_71m_ln model.qk_norm=ln optimizer=adamp${rate:+ $rate} seed=$seed"
+  done; done
 }
 
 lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
