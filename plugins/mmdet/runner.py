@@ -76,7 +76,8 @@ from .convert import convert_checkpoint
 CHECKPOINT = "last_checkpoint"  # mmengine's pointer to the newest checkpoint
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "mmdet"
 TRUST_OPT_IN = "trust_checkpoint=true"
-WS_KEYS = ("weight_standardization", "ws_eps", "ws_eps_form", "ws_targets", "ws_residual_targets")
+WS_KEYS = ("weight_standardization", "ws_eps", "ws_eps_form", "ws_gamma", "ws_targets",
+           "ws_residual_targets")
 MMCV_WRAPPERS = {Linear: torch.nn.Linear, Conv2d: torch.nn.Conv2d}
 # The layers that predict the outputs (classes, boxes, masks, objectness): no norm pairs with
 # them, so model.weight_standardization may not reach them.
