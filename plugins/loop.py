@@ -28,7 +28,7 @@ from tqdm import tqdm
 import unnorm
 from plugins.checkpoints import Checkpointer
 from plugins.distributed import Distributed
-from plugins.optim import UpdateRecord
+from plugins.optim import UpdateRecord, clip_gradients
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
                             metrics_row, record_collapse, rejected_steps, run_logger, save_gns,
                             save_statistics)
@@ -96,14 +96,16 @@ class EpochLoop:
             evaluate: Callable[[int], dict], meta: dict, init: str,
             after_update: Optional[Callable[[int], None]] = None,
             summary: Callable[[dict], str] = lambda metrics: "",
-            collate_fn=None, clip_grad: Optional[float] = None, accumulate: int = 1) -> dict:
+            collate_fn=None, clip_grad: Optional[float] = None, agc: Optional[float] = None,
+            accumulate: int = 1) -> dict:
         """Train epochs ``start_epoch..epochs`` of ``steps_per_epoch`` optimizer updates and
         write the result; returns it.
 
         ``forward(batch)`` returns the loss, or a dict of losses that add up to it (each
         recorded as ``train_<name>``); ``evaluate(epoch)`` the epoch's scores (may be empty);
         ``after_update(step)`` runs after each optimizer update. Each update accumulates the
-        gradients of ``accumulate`` micro-batches (the norms count micro-batches).
+        gradients of ``accumulate`` micro-batches (the norms count micro-batches), clipped by
+        their norm (``clip_grad``) or adaptively (``agc``) before the step.
         """
         cfg, world = self.cfg, self.world
         if self.sam is not None and accumulate > 1:
@@ -128,7 +130,8 @@ class EpochLoop:
                 tally = _Epoch(steps_per_epoch, chunks={name: [] for name in self.taps})
                 for micro_batches in _updates(progress, steps_per_epoch, accumulate):
                     tally.lrs.append(self.optimizer.param_groups[0]["lr"])  # a float: no device read
-                    tally.add(self._update(net, micro_batches, forward, after_update, clip_grad))
+                    tally.add(self._update(net, micro_batches, forward, after_update,
+                                           clip_grad, agc))
                     if self.step % self.detector.check_every == 0:
                         self._flush(tally)
                         if world.main:
@@ -167,7 +170,8 @@ class EpochLoop:
                     desc=f"epoch {epoch + 1}/{epochs}", leave=False)
 
     def _update(self, net: nn.Module, micro_batches: list, forward: Callable[[object], Losses],
-                after_update: Optional[Callable[[int], None]], clip_grad: Optional[float]) -> dict:
+                after_update: Optional[Callable[[int], None]], clip_grad: Optional[float],
+                agc: Optional[float] = None) -> dict:
         """One optimizer update: the gradients of its micro-batches accumulated (the loss of
         each divided by their number), SAM's second pass, clipping, the step, the schedule's
         step and ``after_update``, then the collapse watch. Returns the update's losses (each
@@ -192,7 +196,7 @@ class EpochLoop:
             self.sam.perturbed_gradient(lambda: backward(
                 _total(forward(micro_batches[0])), self.scaler))
         with self.updates.step() if self.updates is not None else nullcontext():
-            optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters())
+            optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters(), agc)
         self.step += 1
         self.scheduler.step_update(num_updates=self.step)
         if after_update is not None:
@@ -261,18 +265,19 @@ def backward(loss: torch.Tensor, scaler) -> None:
     (scaler.scale(loss) if scaler is not None else loss).backward()
 
 
-def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters) -> None:
-    """Optional gradient-norm clipping (of the unscaled gradients), the step, and the
-    scaler's update."""
+def optimizer_step(optimizer, scaler, clip_grad: Optional[float], parameters,
+                   agc: Optional[float] = None) -> None:
+    """Optional clipping of the unscaled gradients, by their norm (``clip_grad``) or
+    adaptively (``agc``; ``plugins.optim.clip_gradients``), the step, and the scaler's
+    update."""
     if scaler is not None:
-        if clip_grad:
+        if clip_grad or agc:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+            clip_gradients(parameters, clip_grad, agc)
         scaler.step(optimizer)
         scaler.update()
     else:
-        if clip_grad:
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        clip_gradients(parameters, clip_grad, agc)
         optimizer.step()
 
 

@@ -3,9 +3,12 @@
 - ``model.weight_standardization``: Weight Standardization (Qiao et al.; the BCN release's
   ``imagenet/models/layers.py``) on the ``nn.Linear``/``nn.Conv2d`` layers these ``fnmatch``
   patterns name (``unnorm.standardize_weights``), with ``model.ws_eps`` and
-  ``model.ws_eps_form``. Classification and both detection backends. A pattern reaching the
-  model's embedding or its classifier / predictor head is refused: the release pairs each
-  standardised layer with a norm, and those layers have none.
+  ``model.ws_eps_form``. Classification, both detection backends and language modelling. A
+  pattern reaching the model's embedding or its classifier / predictor head is refused: the
+  release pairs each standardised layer with a norm, and those layers have none.
+  ``model.ws_eps_form=scaled`` (``ws=nf``) is NF-Nets' Scaled WS instead, with
+  ``model.ws_gamma``: the normalizer-free baseline, which standardises the stem (the patch
+  embedding) too, as NF-Nets do every convolution; the heads stay plain.
 - ``model.class_norm``: SepNorm (tufts-ml/SepNorm): the class token normalised by this
   registry norm, the other tokens by the run's ``norm``, at ``model.class_norm_sites``
   (``all``: every norm the class token passes, as the release replaces "the normalization
@@ -24,11 +27,12 @@ import torch
 from torch import nn
 
 import unnorm
-from unnorm.ws import StandardizedWeight, standardized
+from unnorm.ws import SCALED, StandardizedWeight, scaled_standardized, standardized
 
 CLASS_NORM_SITES = ("all", "final")
-WS_OPTIONS = {"ws_eps": "eps", "ws_eps_form": "eps_form"}  # model.<key>: standardize_weights'
-WS_TASKS = ("classification", "detection")
+WS_OPTIONS = {"ws_eps": "eps", "ws_eps_form": "eps_form",  # model.<key>: standardize_weights'
+              "ws_gamma": "gamma"}
+WS_TASKS = ("classification", "detection", "language_modelling")
 
 
 def as_patterns(value) -> list[str]:
@@ -38,8 +42,7 @@ def as_patterns(value) -> list[str]:
 
 def check_model_options(cfg) -> None:
     """Refuse, before anything runs, a layer option the run's task does not have (SepNorm
-    needs a class token: classification; Weight Standardization: classification and
-    detection), and a ``model.class_norm_sites`` that is neither ``all`` nor ``final``."""
+    needs a class token: classification; Weight Standardization: not translation), and a ``model.class_norm_sites`` that is neither ``all`` nor ``final``."""
     model = cfg.model
     class_norm = model.get("class_norm")
     if class_norm is not None and cfg.task != "classification":
@@ -55,8 +58,8 @@ def check_model_options(cfg) -> None:
                          f"the release's) or final (the last norm only), got "
                          f"{model.class_norm_sites!r}")
     if model.get("weight_standardization") is not None and cfg.task not in WS_TASKS:
-        raise ValueError(f"model.weight_standardization is an option of classification and "
-                         f"detection; the {cfg.task} model {model.name} does not take it: drop it "
+        raise ValueError(f"model.weight_standardization is an option of classification, "
+                         f"detection and language modelling; the {cfg.task} model {model.name} does not take it: drop it "
                          "(or standardise layers in your own code: unnorm.standardize_weights)")
 
 
@@ -73,8 +76,11 @@ def standardize_layers(model: nn.Module, model_cfg: Mapping, *, embedding: Seque
               if isinstance(module, (nn.Linear, nn.Conv2d))]
     targets = model_cfg.get("ws_targets")
     example = f", e.g. ws=transformer: {as_patterns(targets)}" if targets else ""
+    plain = {"classifier / predictor head": head}
+    if model_cfg.get("ws_eps_form") != SCALED:  # NF-Nets standardise the stem as well
+        plain["embedding"] = embedding
     for pattern in patterns:
-        for part, prefixes in (("embedding", embedding), ("classifier / predictor head", head)):
+        for part, prefixes in plain.items():
             reached = [name for name in layers if fnmatch.fnmatchcase(name, pattern)
                        and any(name == p or name.startswith(p + ".") for p in prefixes)]
             if reached:
@@ -112,14 +118,16 @@ def separate_class_token(model: nn.Module, model_cfg: Mapping,
         raise ValueError(f"model.class_norm: {error}") from error
 
 
-def standardized_layers(model: nn.Module) -> dict[str, tuple[float, str]]:
-    """Every weight-standardised layer of ``model``: its eps and eps form, by name."""
-    return {name: (module.ws_eps, module.ws_form) for name, module in model.named_modules()
-            if isinstance(module, StandardizedWeight)}
+def standardized_layers(model: nn.Module) -> dict[str, tuple]:
+    """Every weight-standardised layer of ``model``: its eps and eps form (and gamma, for
+    Scaled WS), by name."""
+    return {name: (module.ws_eps, module.ws_form)
+            + ((module.ws_gamma,) if module.ws_form == SCALED else ())
+            for name, module in model.named_modules() if isinstance(module, StandardizedWeight)}
 
 
 def standardized_in_run(model_cfg: Mapping, model: nn.Module,
-                        weights: Mapping) -> dict[str, tuple[float, str]]:
+                        weights: Mapping) -> dict[str, tuple]:
     """The layers of ``model`` (named as in the run) that a run of ``model_cfg`` standardised,
     among those whose weight ``weights`` holds, with that run's eps and eps form
     (``standardized_layers``' form)."""
@@ -128,20 +136,22 @@ def standardized_in_run(model_cfg: Mapping, model: nn.Module,
         return {}
     form = (model_cfg.get("ws_eps", StandardizedWeight.ws_eps),
             model_cfg.get("ws_eps_form", StandardizedWeight.ws_form))
+    if form[1] == SCALED:
+        form += (model_cfg.get("ws_gamma") or 1.0,)
     return {name: form for name, module in model.named_modules()
             if isinstance(module, (nn.Linear, nn.Conv2d)) and f"{name}.weight" in weights
             and any(fnmatch.fnmatchcase(name, p) for p in as_patterns(value))}
 
 
 @torch.no_grad()
-def carry_standardization(weights: dict, source: Mapping[str, tuple[float, str]],
-                          target: Mapping[str, tuple[float, str]], origin: str) -> dict:
+def carry_standardization(weights: dict, source: Mapping[str, tuple], target: Mapping[str, tuple],
+                          origin: str) -> dict:
     """``weights`` (a state dict in the loading model's names) of a model whose layers
     ``source`` standardised, made to compute the same in a model that standardises
     ``target`` (both ``standardized_layers``' form, in the loading model's names): a layer
     standardised in both keeps its raw weight (the same eps and form, or refused), one
     standardised only in the source gets its standardised weight (a plain layer then computes
-    what it computed). A layer standardised only in the loading model is refused: its plain
+    what it computed; a Scaled WS layer's gain goes into it). A layer standardised only in the loading model is refused: its plain
     weight, standardised there, would compute another function. ``origin`` names the weights
     in errors. Returns ``weights``, changed in place."""
     for name in sorted(set(target) - set(source)):
@@ -154,10 +164,14 @@ def carry_standardization(weights: dict, source: Mapping[str, tuple[float, str]]
         key = f"{name}.weight"
         if key not in weights:
             continue
-        if name not in target:
+        if name not in target and form[1] == SCALED:
+            eps, _, gamma = form
+            weights[key] = scaled_standardized(weights[key], weights.pop(f"{name}.gain"), gamma,
+                                               eps)
+        elif name not in target:
             weights[key] = standardized(weights[key], *form)
         elif target[name] != form:
             raise ValueError(f"{origin}: {name} was standardised with eps, form {form} there and "
-                             f"is {target[name]} here; set model.ws_eps and model.ws_eps_form as "
-                             "that run did")
+                             f"is {target[name]} here; set model.ws_eps and model.ws_eps_form (and "
+                             "model.ws_gamma) as that run did")
     return weights

@@ -15,6 +15,14 @@ release's SGDP is therefore registered with timm's factory (``sgdp-release``) an
 
 ``UpdateRecord`` is what ``record_updates=true`` writes per epoch: each group's effective step
 and how many updates the projection acted on (docs/vision.md).
+
+Gradient clipping, of the unscaled gradients before the step (``clip_gradients``):
+``recipe.clip_grad`` clips their global norm (torch's ``clip_grad_norm_``); ``recipe.agc``
+clips each output unit's gradient to that fraction of its weight's norm (NF-Nets' Adaptive
+Gradient Clipping, Brock et al. 2021: timm's ``adaptive_clip_grad``, eps 1e-3), the
+normalizer-free baseline's (docs/vision.md). One or neither: both set is refused
+(``check_clipping``), and so is ``recipe.agc`` in translation, which clips in fairseq's
+trainer.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import OptimInfo, create_optimizer_v2
 from timm.optim._optim_factory import default_registry
+from timm.utils.agc import adaptive_clip_grad
 
 default_registry.register(OptimInfo(
     name="sgdp-release", opt_class=adamp.SGDP, has_momentum=True,
@@ -185,3 +194,30 @@ def _group_norm(tensors: list[torch.Tensor], sharded: bool) -> torch.Tensor:
     if sharded:
         dist.all_reduce(squares)
     return squares.sqrt()
+
+
+def check_clipping(cfg: DictConfig) -> None:
+    """Refuse ``recipe.agc`` together with ``recipe.clip_grad`` (two clippings of one step),
+    and in translation (fairseq's trainer clips by the global norm only)."""
+    recipe = cfg.recipe
+    agc = recipe.get("agc")
+    if agc is None:
+        return
+    if cfg.task == "translation":
+        raise ValueError(f"recipe.agc={agc}: fairseq's trainer clips gradients by their global "
+                         "norm only (recipe.train.clip_norm); drop recipe.agc for translation")
+    if recipe.get("clip_grad") is not None:
+        raise ValueError(f"recipe.agc={agc} and recipe.clip_grad={recipe.clip_grad} both clip the "
+                         "gradients: choose one, recipe.clip_grad=null for adaptive clipping "
+                         "(the normalizer-free baseline) or recipe.agc=null")
+
+
+def clip_gradients(parameters, clip_grad: Optional[float], agc: Optional[float]) -> None:
+    """The recipe's clipping of the (unscaled) gradients of ``parameters``: by their global
+    norm (``clip_grad``), or adaptively, unit-wise (``agc``: timm's ``adaptive_clip_grad``
+    with that clipping factor, on every parameter, as timm's ``--clip-mode agc`` does); None
+    for neither (``check_clipping`` refuses both)."""
+    if clip_grad:
+        torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+    elif agc:
+        adaptive_clip_grad(parameters, agc)

@@ -8,6 +8,7 @@ from typing import Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from plugins.model_options import check_model_options
+from plugins.optim import check_clipping
 from unnorm.base import forgotten_warmup
 
 NORM_STEP_OPTIONS = ("warmup_iters", "compensation_start")  # norm options counted in steps
@@ -25,7 +26,7 @@ COMMON_RANGES = {"lr_multiple": "> 0", "scale.num_workers": ">= 0",
                  "scale.warmup_init_weight": "null or in (0, 1)",
                  "scale.max_steps_per_epoch": "null or >= 1", "collapse.loss_multiple": "> 1",
                  "collapse.ema": "in [0, 1)", "collapse.min_steps": ">= 0",
-                 "collapse.check_every": ">= 1"}
+                 "collapse.check_every": ">= 1", "recipe.agc": "null or > 0"}
 
 
 def check_ranges(cfg: DictConfig, ranges: Mapping[str, str]) -> None:
@@ -52,7 +53,8 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
     norm option the command line set (``overrides``, Hydra's ``key=value`` strings) is kept
     as given. The values that will run are checked against ``ranges`` and ``COMMON_RANGES``
     (``check_ranges``) before anything computes with them, and a layer option the task does
-    not have is refused (``check_model_options``)."""
+    not have (``check_model_options``) or clipping it cannot do (``check_clipping``) is
+    refused."""
     cfg = cfg.copy()
     was_struct = OmegaConf.is_struct(cfg)
     OmegaConf.set_struct(cfg, False)
@@ -65,6 +67,7 @@ def effective_config(cfg: DictConfig, overrides: Sequence[str] = (),
     explicit = command_line_values(cfg, overrides)
     check_ranges(cfg, {**COMMON_RANGES, **ranges})
     check_model_options(cfg)
+    check_clipping(cfg)
     computed = {}
     if scale.scale_norm_steps:  # against the schedule that runs, command-line values included
         factor = lr_warmup_steps(cfg, scale.get("max_steps_per_epoch")) / lr_warmup_steps(paper)

@@ -196,7 +196,7 @@ def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] =
             after_update=(lambda step: run.ema.update(run.model, step=step))
             if run.ema is not None else None,
             meta={**meta, **steps.meta, **invariance}, init=run.init, collate_fn=data.collate_fn,
-            clip_grad=cfg.recipe.clip_grad, accumulate=data.accumulate)
+            clip_grad=cfg.recipe.clip_grad, agc=cfg.recipe.get("agc"), accumulate=data.accumulate)
 
 
 SCALE_INVARIANCE_FILE = "scale_invariance.json"

@@ -33,7 +33,8 @@ from .stats import StatisticsRecorder, record_statistics
 from .swap import ChannelsFirst, replace_module, swap_norms
 from .adapt import MODES as TEST_TIME_MODES, AdaptedNorms, test_time
 from .unified import RELEASED_UN_NAMES, UnifiedNorm, convert_released_state_dict
-from .ws import (EPS_FORMS, StandardizedConv2d, StandardizedLinear, bake_standardized_weights,
+from .ws import (EPS_FORMS, SCALED, ScaledStandardizedConv2d, ScaledStandardizedLinear,
+                 StandardizedConv2d, StandardizedLinear, bake_standardized_weights,
                  standardize_weights)
 
 
@@ -59,7 +60,8 @@ __all__ = [
     "ScaleNorm",
     "SeparateClassNorm", "separate_class_norms", "LAYOUTS", "standardize_weights",
     "scale_invariance", "invariance_record",
-    "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "GradScaler", "LossScaleGuard", "UpdateStart",
+    "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "SCALED",
+    "ScaledStandardizedLinear", "ScaledStandardizedConv2d", "GradScaler", "LossScaleGuard", "UpdateStart",
     "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",
     "compress_writer", "compress_readers", "to_rms_norm", "to_compressed_rms_norm",
 ]

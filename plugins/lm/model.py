@@ -104,6 +104,8 @@ MIXLN_EMBEDDING_STD = math.sqrt(2 / 5)
 #: switch scales groups by, and ``cpu``, the scale variant that ``config.yaml`` recorded inside
 #: the model before Hydra composed it (``plugins.runlog.RETIRED_KEYS``)
 _LABELS = {"name", "width", "cpu"}
+#: keys of the layer options the trainer applies to the built model (``plugins.model_options``)
+_LAYER_OPTIONS = {"weight_standardization", "ws_eps", "ws_eps_form", "ws_gamma", "nf_targets"}
 _ALIASES = {"context": "max_position_embeddings"}
 _LLAMA_EXTRA = {"rope_theta"}  # legacy LlamaConfig keyword, taken into rope_parameters
 
@@ -118,7 +120,8 @@ def build_lm(model_cfg: Mapping, norm_cfg: Mapping, **overrides) -> "UnnormLlama
     (0.25), ``embedding_norm`` (false), ``final_norm`` (null: as the placement says),
     ``dyt_llm_recipe`` and ``prepbn_llm_recipe`` (true), ``qk_norm`` (null, or a registry
     norm on each head's queries and keys) and ``init`` (``hf`` or ``mixln``). ``name``, ``width`` and a
-    recorded ``cpu`` variant are labels, no fields (``_LABELS``).
+    recorded ``cpu`` variant are labels, no fields (``_LABELS``); the layer options
+    (``model.weight_standardization``...) are the trainer's (``_LAYER_OPTIONS``).
 
     The norms' ``eps`` is ``rms_norm_eps`` where the norm config leaves it unset; ``rms`` has
     no bias (Llama's RMSNorm); PN with layer-scale and ``group_num: null`` groups by the
@@ -403,7 +406,7 @@ def _plain(cfg: Mapping) -> dict:
 def _split_options(values: dict) -> tuple[dict, dict]:
     """(the placement options with their defaults, the LlamaConfig keywords)."""
     options = {key: values.pop(key, default) for key, default in LM_OPTIONS.items()}
-    for label in _LABELS:
+    for label in _LABELS | _LAYER_OPTIONS:
         values.pop(label, None)
     for alias, field in _ALIASES.items():
         if alias in values:

@@ -24,6 +24,7 @@ from timm.scheduler import create_scheduler_v2
 from plugins import fsdp
 from plugins.distributed import Distributed
 from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
+from plugins.model_options import standardize_layers
 from plugins.optim import create_optimizer
 from plugins.runlog import chance_rule, run_meta
 from plugins.scale import micro_batches_per_update
@@ -192,8 +193,8 @@ def _steps(run: Run) -> Steps:
             per_layer = max_attention_logits(model, probe_inputs.to(device))
         metrics.update(max_attn_logit=max(per_layer), max_attn_logit_per_layer=per_layer)
         if last:  # as trained: PRepBN, say, pools over positions only once its hand-over starts
-            probe = fsdp.unsharded_copy(model, lambda: build_lm(
-                cfg.model, cfg.norm, vocab_size=corpus.vocab_size)) if sharded else model
+            probe = fsdp.unsharded_copy(model, lambda: _model(cfg, corpus.vocab_size)) \
+                if sharded else model
             leak = future_leak(probe, probe_inputs)
             metrics.update(leaks_future=leak["leaks"], future_logit_change=leak["max_logit_change"])
             if leak["leaks"]:  # how much training mode's view of the future flatters it
@@ -221,8 +222,15 @@ def _steps(run: Run) -> Steps:
                           lower_is_better=True)))
 
 
+def _model(cfg: DictConfig, vocab_size: int):
+    """The run's language model, with ``model.weight_standardization`` on its layers (``ws=nf``)."""
+    model = build_lm(cfg.model, cfg.norm, vocab_size=vocab_size)
+    standardize_layers(model, cfg.model, embedding=["model.embed_tokens"], head=["lm_head"])
+    return model
+
+
 TASK = Task(ranges=RANGES, data=_data, describe=_describe, head=lambda model: model.lm_head,
-            model=lambda run: build_lm(run.cfg.model, run.cfg.norm, vocab_size=run.data.corpus.vocab_size),
+            model=lambda run: _model(run.cfg, run.data.corpus.vocab_size),
             activation_checkpointing=lambda model: model.activation_checkpointing_enable(
                 {"use_reentrant": False}),
             shard=_shard, optimizer=_optimizer, scheduler=_scheduler, steps=_steps,

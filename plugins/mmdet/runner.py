@@ -57,6 +57,7 @@ from mmengine.registry import OPTIMIZERS
 from mmengine.runner import Runner
 from mmengine.runner.checkpoint import _load_checkpoint_to_model
 from omegaconf import DictConfig, OmegaConf
+from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.checkpoints import load_checkpoint, read_checkpoint, save_atomic
@@ -76,7 +77,8 @@ from .convert import convert_checkpoint
 CHECKPOINT = "last_checkpoint"  # mmengine's pointer to the newest checkpoint
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "mmdet"
 TRUST_OPT_IN = "trust_checkpoint=true"
-WS_KEYS = ("weight_standardization", "ws_eps", "ws_eps_form", "ws_targets", "ws_residual_targets")
+WS_KEYS = ("weight_standardization", "ws_eps", "ws_eps_form", "ws_gamma", "ws_targets",
+           "ws_residual_targets")
 MMCV_WRAPPERS = {Linear: torch.nn.Linear, Conv2d: torch.nn.Conv2d}
 # The layers that predict the outputs (classes, boxes, masks, objectness): no norm pairs with
 # them, so model.weight_standardization may not reach them.
@@ -160,6 +162,17 @@ class UnnormRunner(Runner):
     ``sam`` is the run's ``SharpnessAware`` or None."""
 
     sam: SharpnessAware | None = None
+
+    def build_optim_wrapper(self, optim_wrapper):
+        """mmengine's optim wrapper, clipping adaptively for ``recipe.agc`` (``cfg.agc``):
+        timm's ``adaptive_clip_grad`` as its clipping function, which it runs where it would
+        clip by the norm (after an AmpOptimWrapper's unscale); its config names norm or value
+        clipping only."""
+        wrapper = super().build_optim_wrapper(optim_wrapper)
+        if self.cfg.get("agc"):
+            wrapper.clip_func, wrapper.clip_grad_kwargs = adaptive_clip_grad, {
+                "clip_factor": self.cfg.agc}
+        return wrapper
 
     def wrap_model(self, model_wrapper_cfg, model):
         if model_wrapper_cfg is not None:
@@ -403,6 +416,7 @@ def mmdet_config(cfg: DictConfig, out_dir: Path, world: Distributed) -> Config:
                                       optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True))
     if recipe.clip_grad:
         mm.optim_wrapper.clip_grad = dict(max_norm=recipe.clip_grad)
+    mm.agc = recipe.agc  # read by UnnormRunner.build_optim_wrapper
     mm.param_scheduler = [
         dict(type="LinearLR", start_factor=recipe.warmup_ratio, by_epoch=False, begin=0,
              end=recipe.warmup_iters),
