@@ -17,6 +17,12 @@
 #   old_rule    UN, MABN, PN, PN_LS under the previous CPU rule (warm-up 40, compensation 1000)
 #   stability   every norm (and UN without outlier filtration) on T2T-ViT at 0.1x, 0.3x, 3x,
 #               10x, 30x and 100x the recipe's learning rate (1x: the main runs)
+#   test_time   the shift benchmark's models: LN and the seven norms with running statistics on
+#               {Swin-T, T2T-ViT}, evaluated under every corruption, stream and test-time mode
+#               (records in results/test_time)
+#   optimizer   AdamP against AdamW with LN, BCN with WS and WS alone, and the normalizer-free
+#               baseline (NoNorm with scaled WS and AGC), at 1x, 3x and 10x on {T2T-ViT, Swin-T};
+#               AdamP on the LM with qk-layernorm
 #   lm          the Llama-style decoder: every norm in Pre placement, LN and RMSNorm in Post,
 #               Peri and Mix, Pre-LN with qk-layernorm and with z-loss
 #   lm_stability  each of those on the learning-rate ladder (0.1x to 100x; 1x: the lm runs)
@@ -199,10 +205,15 @@ test_time_runs() {  # the shift benchmark's models (docs/test_time.md), checkpoi
 optimizer_runs() {  # AdamP against AdamW on scale-invariant weights, and the normalizer-free
   # baseline (docs/vision.md), at 1x, 3x and 10x the recipe's rate; AdamW's LN, NoNorm and BCN
   # with WS at 1x are the main and micro-batch runs, T2T-ViT's LN and NoNorm at 3x and 10x the
-  # stability runs, the LM's Pre-LN with qk-layernorm the lm and lm_stability runs
-  for seed in $PROBE_SEEDS; do for model in t2t_vit_14 swin_t; do for lr in 1 3 10; do
+  # stability runs, the LM's Pre-LN with qk-layernorm the lm and lm_stability runs. Model by
+  # model (T2T-ViT, the LM, Swin-T), so that a stopped grid has whole models.
+  for model in t2t_vit_14 llama_cpu swin_t; do for seed in $PROBE_SEEDS; do for lr in 1 3 10; do
     rate=$([[ $lr == 1 ]] || echo "lr_multiple=$lr")
     tag=$([[ $lr == 1 ]] || echo "-lr${lr}x")
+    if [[ $model == llama_cpu ]]; then
+      echo "optimizer/llama_cpu_ln-qk_ln-adamp$tag-s$seed +exp=llama_71m_ln model.qk_norm=ln optimizer=adamp${rate:+ $rate} seed=$seed"
+      continue
+    fi
     for setting in "ln +exp=${model}_ln" "bcn_wsres +exp=$model norm=bcn ws=residual" \
                    "ws +exp=${model}_nonorm ws=residual"; do
       read -r name overrides <<< "$setting"
@@ -210,15 +221,11 @@ optimizer_runs() {  # AdamP against AdamW on scale-invariant weights, and the no
       [[ $name == ln || ( $name == bcn_wsres && $lr == 1 ) ]] && continue  # recorded elsewhere
       echo "optimizer/${model}_$name$tag-s$seed $overrides${rate:+ $rate} seed=$seed"
     done
-    echo "optimizer/${model}_nf$tag-s$seed +exp=${model}_nonorm ws=nf recipe.agc=0.01${rate:+ $rate} seed=$seed"
+    clip=""; [[ $model != swin_t ]] || clip=" recipe.clip_grad=null"  # AGC instead of its clipping
+    echo "optimizer/${model}_nf$tag-s$seed +exp=${model}_nonorm ws=nf recipe.agc=0.01$clip${rate:+ $rate} seed=$seed"
     if [[ $model == swin_t && $lr != 1 ]]; then for norm in ln nonorm; do
       echo "optimizer/${model}_$norm$tag-s$seed +exp=${model}_$norm $rate seed=$seed"; done; fi
   done; done; done
-  for seed in $PROBE_SEEDS; do for lr in 1 3 10; do
-    rate=$([[ $lr == 1 ]] || echo "lr_multiple=$lr")
-    tag=$([[ $lr == 1 ]] || echo "-lr${lr}x")
-    echo "optimizer/llama_cpu_ln-qk_ln-adamp$tag-s$seed +exp=llama_71m_ln model.qk_norm=ln optimizer=adamp${rate:+ $rate} seed=$seed"
-  done; done
 }
 
 lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
