@@ -16,17 +16,22 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from analysis import headline, test_time
+from analysis import headline, optimizer, test_time
+from analysis.runs import load_runs
 from analysis.tables import Table, build_tables, table_markdown
 
 BLOCK = re.compile(r"(<!-- generated: (.*?) -->\n).*?(<!-- end generated -->)", re.S)
 
 
-def all_tables(paper: dict, runs: list[dict], benchmarks: Path, test_time_root: Path) -> list[Table]:
+def all_tables(paper: dict, runs: list[dict], benchmarks: Path, studies: Path) -> list[Table]:
     """Every table ``make_tables.py`` writes: the paper's and the studies' from the runs
-    (``build_tables``), then the shift benchmark's from its own records (``analysis.test_time``)."""
-    shifted = test_time.load(test_time_root) if test_time_root.is_dir() else []
-    return build_tables(paper, runs, benchmarks) + test_time.tables(shifted)
+    (``build_tables``), then those of the studies kept apart in ``studies``: the optimizer
+    study (``studies/optimizer``, beside the runs it compares with) and the shift benchmark
+    (``studies/test_time``)."""
+    apart = load_runs(studies / optimizer.GROUP) if (studies / optimizer.GROUP).is_dir() else []
+    shifted = test_time.load(studies / "test_time") if (studies / "test_time").is_dir() else []
+    return (build_tables(paper, runs, benchmarks) + optimizer.tables(runs + apart)
+            + test_time.tables(shifted))
 
 
 def fill(text: str, tables: list[Table]) -> str:

@@ -87,6 +87,8 @@ def create_optimizer(params: Iterable, optimizer: DictConfig | Mapping, lr: floa
 class UpdateRecord:
     """Per epoch, what ``optimizer``'s updates did (``record_updates=true``, metrics.jsonl):
 
+    - ``param_groups``: per param group (the optimizer's order), its ``weight_decay`` and
+      ``parameters`` (elements), to tell the groups apart;
     - ``effective_step``: per param group, the mean over the epoch's updates of
       ||w_after - w_before|| / ||w_before||, over the group's parameters together (the step
       a scale-invariant weight feels is this ratio, not the learning rate; an update the
@@ -156,7 +158,10 @@ class UpdateRecord:
         updates = max(self.updates, 1)
         ratios = [float(total) / updates for total in self.ratios]
         ratios = [value if math.isfinite(value) else None for value in ratios]
-        record = {"effective_step": ratios,
+        record = {"param_groups": [{"weight_decay": group["weight_decay"],
+                                    "parameters": sum(p.numel() for p in group["params"])}
+                                   for group in self.optimizer.param_groups],
+                  "effective_step": ratios,
                   "projection": {key: count / updates for key, count in self.projected.items()}}
         self._reset()
         return record

@@ -6,7 +6,8 @@
 Reads every ``result.json`` under each ``--runs`` folder and the paper's numbers in
 ``results/paper/tables.yaml``; writes ``tables.md``, ``tables.tex`` and the headline (UN
 against LN per testbed: ``headline.md``, its forest plot ``headline.png``), and the shift
-benchmark's tables and figure from ``--test-time`` (``analysis.test_time``). From the
+benchmark's and the optimizer study's tables (and the former's figure) from the studies kept
+apart (``--studies``: ``analysis.test_time``, ``analysis.optimizer``). From the
 committed runs it also rewrites the tables the results pages and the README quote
 (``analysis.pages``). A cell of ours is the
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
@@ -42,8 +43,9 @@ def main() -> None:
                         help="run folders, searched for result.json (default: the committed runs)")
     parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper" / "tables.yaml")
     parser.add_argument("--benchmarks", type=Path, default=ROOT / "results" / "benchmarks")
-    parser.add_argument("--test-time", type=Path, default=ROOT / "results" / "test_time",
-                        help="the shift benchmark's runs and evaluations (scripts/evaluate.py)")
+    parser.add_argument("--studies", type=Path, default=ROOT / "results",
+                        help="the folder of the studies kept apart from --runs: optimizer/ (issue "
+                             "49) and test_time/ (the shift benchmark's runs and evaluations)")
     parser.add_argument("--out", type=Path, default=COMMITTED_TABLES,
                         help="where tables.md and tables.tex go (default: the committed tables, "
                              "written only from the committed runs)")
@@ -58,7 +60,7 @@ def main() -> None:
                  "alone; give these runs' tables a folder of their own: --out <folder>")
     runs = [run for folder in args.runs for run in load_runs(folder)]
     paper = yaml.safe_load(args.paper.read_text())
-    tables = pages.all_tables(paper, runs, args.benchmarks, args.test_time)
+    tables = pages.all_tables(paper, runs, args.benchmarks, args.studies)
     rows = headline.headline_rows(runs, paper)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tables.md").write_text(to_markdown(tables, runs))
@@ -72,7 +74,7 @@ def main() -> None:
         print(f"UN against LN on {len(rows)} testbeds -> headline.md, {headline.FIGURE}")
     else:
         print("no headline: no testbed has two learned runs of both LN and UN")
-    shifted = test_time.load(args.test_time) if args.test_time.is_dir() else []
+    shifted = test_time.load(args.studies / "test_time") if (args.studies / "test_time").is_dir() else []
     if test_time.figure(shifted, args.out / test_time.FIGURE):
         print(f"the shift benchmark's {len(shifted)} runs -> {test_time.FIGURE}")
     if args.out.resolve() == COMMITTED_TABLES:  # the pages that quote them

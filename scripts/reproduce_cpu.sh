@@ -19,10 +19,10 @@
 #               10x, 30x and 100x the recipe's learning rate (1x: the main runs)
 #   test_time   the shift benchmark's models: LN and the seven norms with running statistics on
 #               {Swin-T, T2T-ViT}, evaluated under every corruption, stream and test-time mode
-#               (records in results/test_time)
+#               (records in results/test_time, apart)
 #   optimizer   AdamP against AdamW with LN, BCN with WS and WS alone, and the normalizer-free
 #               baseline (NoNorm with scaled WS and AGC), at 1x, 3x and 10x on {T2T-ViT, Swin-T};
-#               AdamP on the LM with qk-layernorm
+#               AdamP on the LM with qk-layernorm (records in results/optimizer, apart)
 #   lm          the Llama-style decoder: every norm in Pre placement, LN and RMSNorm in Post,
 #               Peri and Mix, Pre-LN with qk-layernorm and with z-loss
 #   lm_stability  each of those on the learning-rate ladder (0.1x to 100x; 1x: the lm runs)
@@ -50,10 +50,13 @@ OUT=${OUT:-runs/cpu_repro}
 # where the records are copied; the tables and figures below read results/runs/cpu, so set
 # it only to copy elsewhere (the tests do)
 RECORDS=${RECORDS:-results/runs/cpu}
-# the shift benchmark's models (the test_time group) and their evaluations: apart from the
-# training studies' records, which the tables read (seeds 0-2 of LN ... PRepBN train the main
-# runs again, for their checkpoints: counted there, they would count twice)
-TEST_TIME_RECORDS=${TEST_TIME_RECORDS:-results/test_time}
+# the studies kept apart from the runs above, each in $STUDY_RECORDS/<group>: the shift
+# benchmark's models and their evaluations (test_time: seeds 0-2 of LN ... PRepBN train the main
+# runs again, for their checkpoints, and would count twice) and the optimizer study (its runs
+# would join the other tables' families and their Holm corrections); their own analyses read
+# them beside the runs above (analysis/test_time.py, analysis/optimizer.py)
+STUDIES="test_time optimizer"
+STUDY_RECORDS=${STUDY_RECORDS:-results}
 # where a record that the current CPU rule would train differently goes when its re-run lands
 # (python -m analysis.runs --superseded: a warm-up shorter than the floor of issue 30)
 SUPERSEDED_RECORDS=${SUPERSEDED_RECORDS:-results/superseded/warmup_before_floor}
@@ -289,7 +292,7 @@ lm_ladder_settings() {  # the LM's settings on the learning-rate ladder: <name> 
 }
 
 record_of() {  # <group>/<name>: where its records are committed
-  if [[ $1 == test_time/* ]]; then echo "$TEST_TIME_RECORDS/${1#test_time/}"; else echo "$RECORDS/$1"; fi
+  if [[ " $STUDIES " == *" ${1%%/*} "* ]]; then echo "$STUDY_RECORDS/$1"; else echo "$RECORDS/$1"; fi
 }
 export -f record_of
 
@@ -314,7 +317,7 @@ export -f run_one
 SUPERSEDED=$(mktemp)
 trap 'rm -f "$SUPERSEDED"' EXIT
 "$PY" -m analysis.runs --superseded "$RECORDS" > "$SUPERSEDED"
-export PY OUT RECORDS TEST_TIME_RECORDS SUPERSEDED
+export PY OUT RECORDS STUDIES STUDY_RECORDS SUPERSEDED
 
 listing=0
 if [[ "${1:-}" == --list ]]; then listing=1; shift; fi

@@ -41,7 +41,7 @@ def runs(records):
 def tables(records):
     paper = yaml.safe_load((ROOT / "results" / "paper" / "tables.yaml").read_text())
     return pages.all_tables(paper, records, ROOT / "results" / "benchmarks",
-                            ROOT / "results" / "test_time")
+                            ROOT / "results")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_ids)

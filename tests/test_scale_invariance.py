@@ -149,6 +149,7 @@ def test_a_short_run_records_invariance_and_its_updates(optimizer, tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["scale_invariant"] == record
     [row] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(row["effective_step"]) == 4 and 0 < row["effective_step"][1] < 1
+    assert [g["weight_decay"] > 0 for g in row["param_groups"]].count(True) == 2  # body, head
     projected = row["projection"]
     if optimizer == "adamw":
         assert projected == {"tensors": 0, "channel_view": 0, "tensor_view": 0, "channels": 0}
