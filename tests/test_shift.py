@@ -291,6 +291,24 @@ def test_evaluation_checks_the_state_and_refuses_a_model_with_nothing_to_adapt()
     assert evaluate_stream(ln, data, np.arange(6), 4, "source")["examples"] == 6
 
 
+def evaluate_script():
+    """scripts/evaluate.py as a module, loaded in this process."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_all_at_a_severity_is_every_corruption_once(capsys):
+    script = evaluate_script()
+    args = script.parse_args(["run", "--shift", "all:5", "contrast:5", "none"])
+    assert args.shifts == [(name, 5) for name in CORRUPTIONS] + [("none", 0)]
+    with pytest.raises(SystemExit):
+        script.parse_args(["run", "--shift", "all:6"])
+    assert "the severity must be 1 to 5" in capsys.readouterr().err
+
+
 def evaluate(*args):
     """scripts/evaluate.py as a user runs it, in its own process."""
     return subprocess.run([sys.executable, "scripts/evaluate.py", *map(str, args)], cwd=ROOT,
@@ -300,10 +318,7 @@ def evaluate(*args):
 def evaluate_here(capsys, *args) -> tuple[int, str, str]:
     """scripts/evaluate.py's ``main`` in this process (a process of its own starts in tens of
     seconds): its exit code, stdout and stderr, a ``sys.exit`` message counted as stderr."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = evaluate_script()
     code, message = 0, ""
     try:
         script.main([str(arg) for arg in args])
@@ -339,6 +354,13 @@ def test_evaluate_records_beside_a_trained_run_and_refuses_bad_settings(tmp_path
     assert twice[0] == pytest.approx(trained, abs=1e-4)  # the trainer's split and normalisation
     after = torch.load(run / "last.pt", weights_only=False)["model"]
     assert all(torch.equal(weights[k], after[k]) for k in weights)
+    grid = ["--test-time", "source", "tbn", "--shift", "none", "contrast:5", "--stream", "iid",
+            "sorted", "--missing"]  # every combination once; what has a record is skipped
+    code, out, err = evaluate_here(capsys, run, *grid)
+    assert code == 0 and out.count("wrote") == 7, err  # source_none_iid_b64_s0 was recorded
+    names = sorted(p.name for p in records.iterdir())
+    assert len(names) == 4 + 7 and "tbn_contrast-5_sorted_b64_s0.json" in names
+    assert evaluate_here(capsys, run, *grid)[1].count("wrote") == 0
     for refused, message in ((["--shift", "fog:2"], "unknown corruption 'fog'"),
                              (["--shift", "contrast:6"], "1 to 5"),
                              (["--stream", "shuffled"], "invalid choice: 'shuffled'"),
