@@ -158,6 +158,7 @@ def test_an_optimizer_that_does_not_project_records_none():
     assert row["effective_step"] == [pytest.approx(sum(ratios) / 2, rel=1e-12)]
 
 
+@pytest.mark.slow
 def test_a_short_run_records_invariance_and_its_updates(tmp_path):
     """T2T-ViT with WS on each block's qkv and fc1 (8 layers), AdamP: result.json names the 8
     as row-invariant (kept in scale_invariance.json too); metrics.jsonl's epoch row holds each
