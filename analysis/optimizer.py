@@ -101,12 +101,11 @@ def _epochs(run: dict) -> list[dict]:
     return [row for row in map(json.loads, path.read_text().splitlines()) if "effective_step" in row]
 
 
-def decayed_group(row: dict) -> int:
-    """The param group of the decayed weight matrices: the largest group with weight decay (a
-    classifier's head is a group of its own)."""
+def matrix_group(row: dict) -> int:
+    """The param group of the body's weight matrices: the largest (the trainers group biases,
+    norms and tokens apart, and a classifier's head)."""
     groups = row["param_groups"]
-    return max((i for i, g in enumerate(groups) if g["weight_decay"] > 0),
-               key=lambda i: groups[i]["parameters"])
+    return max(range(len(groups)), key=lambda i: groups[i]["parameters"])
 
 
 def _mean(values: list[float], digits: int) -> str:
@@ -119,7 +118,7 @@ def _mean(values: list[float], digits: int) -> str:
 def updates_table(runs: list[dict], model: str) -> Optional[Table]:
     """What the records say of each AdamP and AdamW run of the study: the weights exactly
     scale-invariant at the start, AdamP's projections per update, and the effective step of
-    the decayed weight matrices (``decayed_group``), in the first and last epochs."""
+    the body's weight matrices (``matrix_group``), in the first and last epochs."""
     settings = LM_SETTING if model == "llama_cpu" else SCALE_INVARIANT
     rows = []
     for label, (norm, overrides) in settings.items():
@@ -136,20 +135,20 @@ def updates_table(runs: list[dict], model: str) -> Optional[Table]:
                     _mean([c["row"] for c in invariant], 1) + " / " + _mean([c["tensor"] for c in invariant], 1),
                     _mean([e[0]["projection"]["tensors"] for e in epochs], 1) + " / "
                     + _mean([e[-1]["projection"]["tensors"] for e in epochs], 1),
-                    _mean([1e3 * e[0]["effective_step"][decayed_group(e[0])] for e in epochs], 2) + " / "
-                    + _mean([1e3 * e[-1]["effective_step"][decayed_group(e[-1])] for e in epochs], 2)])
+                    _mean([1e3 * e[0]["effective_step"][matrix_group(e[0])] for e in epochs], 2) + " / "
+                    + _mean([1e3 * e[-1]["effective_step"][matrix_group(e[-1])] for e in epochs], 2)])
     if not rows:
         return None
     return Table(f"Optimizer: scale invariance and effective steps, {MODELS[model]}",
                  ["setting", "lr", "optimizer", "runs", "invariant weights at start: row / tensor",
                   "projected tensors per update: first / last epoch",
-                  "effective step x 1e3, decayed matrices: first / last epoch"], rows,
+                  "effective step x 1e3, weight matrices: first / last epoch"], rows,
                  ["From the runs that recorded them (record_scale_invariance, record_updates: "
                   "the study's own runs): mean ± std over runs. Invariant weights: "
                   "unnorm.scale_invariance at the start (row: each output row's scale; tensor: "
                   "the whole weight's). Projected tensors: AdamP's projections per update, the "
                   "epoch's mean. Effective step: the epoch's mean of ||dw|| / ||w|| over the "
-                  "largest param group with weight decay (the matrices, not the head). Descriptive: no test in this table."])
+                  "largest param group (the body's weight matrices). Descriptive: no test in this table."])
 
 
 def tables(runs: list[dict]) -> list[Table]:

@@ -142,8 +142,8 @@ def tables(runs: list[Run]) -> list[Table]:
                  "stream. LN keeps no statistic: only `source`.", own.note()]))
             out.append(Table(
                 f"{title}: against LN", header, with_tests(rows_ln, against_ln),
-                [f"Each cell: its error on {what} minus LN's `source` error "
-                 f"({_summary(ln, ln_out, ln_incomplete)}); negative is better than LN.",
+                [f"Each cell: the row's error ({what}) minus LN's `source` error, "
+                 f"{_summary(ln, ln_out, ln_incomplete)}; negative is better than LN.",
                  against_ln.note()]))
         out.append(per_corruption(runs, model, norms, corruptions))
     return out
