@@ -12,6 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+from analysis.runs import STUDIES
+
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "results" / "benchmarks" / "times.json"
 PAGE = ROOT / "docs" / "times.md"
@@ -38,9 +40,12 @@ def run_seconds(record: Path) -> Optional[float]:
 
 
 def group_times(records: Path) -> dict[str, tuple[int, int, float]]:
-    """Per records group: the runs, those whose time the records give, their summed seconds."""
+    """Per records group: the runs, those whose time the records give, their summed seconds.
+    ``records`` is ``results/runs/cpu``; the studies kept apart (``STUDIES``) are its
+    sibling's, ``results/<group>``."""
     out: dict[str, list] = defaultdict(lambda: [0, 0, 0.0])
-    for result in sorted(records.glob("*/*/result.json")):
+    apart = [path for group in STUDIES for path in records.parents[1].joinpath(group).glob("*/result.json")]
+    for result in sorted(records.glob("*/*/result.json")) + sorted(apart):
         entry = out[result.parent.parent.name]
         seconds = run_seconds(result.parent)
         entry[0] += 1
