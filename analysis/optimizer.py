@@ -2,11 +2,11 @@
 scale-invariant weights, and the normalizer-free baseline against NoNorm and LN, on the
 learning-rate ladder; what AdamP projected and the effective steps, from the runs' records.
 
-The study's own runs are ``results/optimizer`` (``in_study``), kept apart from ``results/runs``; its AdamW baselines at
-the recipe's rate are the main and micro-batch runs, T2T-ViT's LN and NoNorm at 3x and 10x the
-stability runs, the LM's Pre-LN with qk-layernorm the lm and lm_stability runs: every record of
-a setting counts, whichever group made it. The study's runs stay out of the other tables
-(``analysis.tables.build_tables``), whose Holm corrections they would change.
+The study's own runs are ``results/optimizer`` (``in_study``), kept apart from ``results/runs``
+so that they stay out of the other tables and their Holm corrections. Its AdamW baselines come
+from ``results/runs``: the main and micro-batch runs at the recipe's rate, T2T-ViT's LN and
+NoNorm at 3x and 10x from the stability runs, the LM's Pre-LN with qk-layernorm from the lm and
+lm_stability runs. Every record of a setting counts, whichever group made it.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def pick(runs: list[dict], model: str, norm: str, overrides: tuple, rate: float)
     wanted = sorted(overrides)
     return Cell([r for r in runs if r.get("model") == model and r.get("norm") == norm
                  and float(override_value(r, STABILITY_KEY) or 1) == rate
-                 and [c for c in changes(r, (STABILITY_KEY, "recipe.clip_grad"))] == wanted
+                 and changes(r, (STABILITY_KEY, "recipe.clip_grad")) == wanted
                  and (override_value(r, "recipe.clip_grad") is None or "ws=nf" in overrides)])
 
 
