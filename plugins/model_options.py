@@ -172,6 +172,6 @@ def carry_standardization(weights: dict, source: Mapping[str, tuple], target: Ma
             weights[key] = standardized(weights[key], *form)
         elif target[name] != form:
             raise ValueError(f"{origin}: {name} was standardised with eps, form {form} there and "
-                             f"is {target[name]} here; set model.ws_eps and model.ws_eps_form (and "
-                             "model.ws_gamma) as that run did")
+                             f"is {target[name]} here; set model.ws_eps, model.ws_eps_form and "
+                             "model.ws_gamma as that run did")
     return weights

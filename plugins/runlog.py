@@ -43,17 +43,23 @@ RESUME_KEYS = {"resume", "trust_checkpoint", "record_scale_invariance", "record_
 #: 49), which ``with_optimizer`` spells anew. A config that no longer has them continues such a run
 RETIRED_KEYS = {"model.cpu", "recipe.cpu", "scale.data", "recipe.opt", "recipe.momentum",
                 "recipe.betas", "recipe.train.optimizer", "recipe.train.adam_betas"}
+#: keys added since runs were recorded that a run reads only through another recorded key
+#: (``ws=nf`` copies ``model.nf_targets`` into ``model.weight_standardization``): a config
+#: that lacks them continues such a run
+ADDED_KEYS = {"model.nf_targets", "model.nf_targets_of"}
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
 
 
 def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two configurations (as loaded from YAML); a
-    retired key (``RETIRED_KEYS``) that only ``stored`` has is none."""
+    retired key (``RETIRED_KEYS``) that only ``stored`` has is none, and so is an added key
+    (``ADDED_KEYS``) that only ``new`` has."""
     if isinstance(stored, dict) and isinstance(new, dict):
         keys = sorted(set(stored) | set(new))
         return [diff for key in keys if f"{prefix}{key}" not in RESUME_KEYS
                 and not (f"{prefix}{key}" in RETIRED_KEYS and key not in new)
+                and not (f"{prefix}{key}" in ADDED_KEYS and key not in stored)
                 for diff in config_differences(stored.get(key), new.get(key), f"{prefix}{key}.")]
     return [] if stored == new else [f"{prefix.rstrip('.')} ({stored!r} -> {new!r})"]
 

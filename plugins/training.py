@@ -218,7 +218,9 @@ def invariance_at_start(task: Task, run: Run) -> dict:
         return {"scale_invariant": json.loads(path.read_text())}
     if (run.out_dir / CHECKPOINT).exists() or not world.main:
         return {}
-    count = min(len(data.train_set), data.batch, PROBE_EXAMPLES)
+    if not any(p.requires_grad and p.ndim >= 2 for p in run.model.parameters()):
+        return {"scale_invariant": unnorm.invariance_record({})}  # train_only: no matrix trains
+    count = min(len(data.train_set), PROBE_EXAMPLES)  # whatever the micro-batch: one record
     started_at = time.time()
     with rngs_kept(world.device):
         collate = data.collate_fn or torch.utils.data.default_collate

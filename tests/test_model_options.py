@@ -450,7 +450,7 @@ def test_init_from_keeps_what_standardised_layers_compute_or_refuses(tmp_path):
     with pytest.raises(ValueError, match=r"init_from: .*blocks\.0\.attn\.proj was a plain layer there"):
         load_weights(model, str(path), reset_steps=False)
     _, model = classifier("ws=transformer", "model.ws_eps=1e-3")
-    with pytest.raises(ValueError, match="set model.ws_eps and model.ws_eps_form as that run did"):
+    with pytest.raises(ValueError, match="set model.ws_eps, model.ws_eps_form and model.ws_gamma as that run did"):
         load_weights(model, str(path), reset_steps=False)
 
 

@@ -229,6 +229,19 @@ def test_a_run_recorded_before_hydra_composed_the_scale_continues(tmp_path):
     assert _files(run) == before
 
 
+def test_an_added_key_only_the_new_config_has_is_no_difference():
+    """model.nf_targets (issue 49) reaches a run only through model.weight_standardization,
+    which every record holds: a record without it continues; one that holds it is compared."""
+    from plugins.runlog import config_differences
+
+    new = {"model": {"nf_targets": ["blocks.*"], "weight_standardization": None}}
+    assert config_differences({"model": {"weight_standardization": None}}, new) == []
+    assert config_differences({"model": {"nf_targets": ["x"], "weight_standardization": None}},
+                              new) == ["model.nf_targets (['x'] -> ['blocks.*'])"]
+    assert config_differences({"model": {}}, {"model": {"ws_gamma": 1.7}}) == [
+        "model.ws_gamma (None -> 1.7)"]  # not an added key: compared
+
+
 @pytest.fixture
 def interrupted_run(finished_run, tmp_path):
     """A copy of the run as if killed after its last checkpoint (no result.json yet)."""
