@@ -14,6 +14,11 @@ conversion leaves: with ``rms`` among the norms, the conversion's three norms si
 
     python scripts/bench_norms.py                         # both shapes, every norm
     python scripts/bench_norms.py --shapes tokens --norms ln un --rounds 50
+    python scripts/bench_norms.py --device cuda --dtype bfloat16 --batch-scale 8   # a GPU's sizes
+
+``--dtype`` casts the input and every norm (``norm.to(dtype)``, a half-precision model's
+layers: the statistics stay float32 inside); ``--batch-scale`` multiplies the shapes' batch,
+since the CPU's sizes leave a GPU's kernels launch-bound.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from benchmark import (  # scripts/: shared by the benchmarks
     timed_rounds,
 )
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHAPES = {"tokens": (64, 196, 384), "swin_stage1": (8, 56, 56, 96)}
 # past every warm-up: what a long training run spends its steps in
 STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_start": 0},
@@ -79,7 +85,7 @@ def runners(name: str, channels: int, x: torch.Tensor, dy: torch.Tensor, compile
         if name == "crms":
             return unnorm.CompressedRMSNorm(channels - 1, device=x.device)
         return unnorm.build_norm(name, channels, device=x.device, **STEADY.get(name, {}))
-    train_norm, eval_norm = build(), build().eval()
+    train_norm, eval_norm = build().to(x.dtype), build().to(x.dtype).eval()
     if compiled:
         train_norm, eval_norm = torch.compile(train_norm), torch.compile(eval_norm)
     return closures(train_norm, eval_norm, x, dy)
@@ -89,8 +95,8 @@ def measure(shape, norms, args, device) -> tuple[list[dict], list[dict]]:
     """The rows (time ratios: per round, the norm's seconds over the LN's) and the noise checks
     (``nonorm`` against LN in each mode, train and infer) of one shape."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(shape, generator=gen).to(device).requires_grad_(True)
-    dy = torch.randn(shape, generator=gen).to(device)
+    x = torch.randn(shape, generator=gen).to(device, args.dtype).requires_grad_(True)
+    dy = torch.randn(shape, generator=gen).to(device, args.dtype)
     modes = ("eager", "compiled") if args.compile else ("eager",)
     steps = {}
     for name in [*norms, "crms"]:
@@ -110,7 +116,8 @@ def measure(shape, norms, args, device) -> tuple[list[dict], list[dict]]:
                for kind in ("train", "infer")}
     rows = []
     for (name, mode, kind), seconds in sorted(times.items()):
-        rows.append({"shape": list(shape), "norm": name, "mode": mode, "kind": kind,
+        rows.append({"shape": list(shape), "dtype": str(args.dtype).removeprefix("torch."),
+                     "norm": name, "mode": mode, "kind": kind,
                      "round_s": seconds, "ms": 1e3 * statistics.median(seconds),
                      **{f"vs_ln_{ln_mode}": paired_ratio(seconds, times[("ln", ln_mode, kind)])
                         for ln_mode in modes},
@@ -140,9 +147,15 @@ def report(rows) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--batch-scale", type=int, default=1, help="times each shape's batch")
     add_shared_options(parser, "--norms", rounds=(30, 30), warmup=5,
                        out_help="JSON file (default results/benchmarks/norms_<device>.json)")
     args = parse_shared(parser)
+    if args.batch_scale < 1:
+        parser.error(f"--batch-scale {args.batch_scale}: the batch is multiplied by it, so it "
+                     f"must be at least 1")
+    args.dtype = DTYPES[args.dtype]
     norms = ln_first(args.norms)
     if "nonorm" not in norms:
         norms.append("nonorm")
@@ -151,7 +164,8 @@ def main() -> None:
     compile_side_by_side()
     rows, checks = [], []
     for shape in args.shapes:
-        shape_rows, shape_checks = measure(SHAPES[shape], norms, args, device)
+        batch, *rest = SHAPES[shape]
+        shape_rows, shape_checks = measure((batch * args.batch_scale, *rest), norms, args, device)
         rows, checks = rows + shape_rows, checks + shape_checks
     run_context["load_after"] = list(os.getloadavg())
     table = report(rows)
@@ -161,6 +175,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": machine(device), "torch": torch.__version__,
                                "cuda": torch.version.cuda if device.type == "cuda" else None,
+                               "dtype": str(args.dtype).removeprefix("torch."),
                                "rounds": args.rounds, "command": command(), "context": run_context,
                                "spread": SPREAD, "noise_check": verdict, "noise_checks": checks,
                                "results": rows, "table": table}, indent=2))

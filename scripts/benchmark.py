@@ -78,6 +78,7 @@ LM_VOCAB = 32000  # LLaMA's tokenizer, as Mix-LN trains on C4
 VARIANT_NORMS = {"ln": "ln", "un": "un", "un_folded": "un", "prepbn_folded": "prepbn",
                  "dyt": "dyt", "no_norm": "nonorm", "rms_converted": "ln", "crms_converted": "ln"}
 CONVERTED = {"rms_converted": to_pre_rms, "crms_converted": to_pre_crms}  # language models only
+PARTS = ("inference", "training")
 FOLDED = {"un_folded", "prepbn_folded", "dyt"}
 # past every warm-up (PRepBN: inside its hand-over, where training computes LN and BN)
 STEADY = {"un": {"warmup_iters": 0, "outlier_filtration": True, "compensation_start": 0},
@@ -157,16 +158,24 @@ def parse_shared(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+COPIED_TREE_COMMIT = "UNNORM_GIT_COMMIT"
+
+
 def context() -> dict:
     """What a record's times depend on besides the code: the commit (``git_dirty``: tracked
     files outside results/ differ from it), the date, the CPUs and torch's threads. The 1, 5 and
     15-minute load averages are taken at the start (``load_before``: others' load) and after
-    the last timed round (``load_after``, which includes this benchmark's own threads)."""
+    the last timed round (``load_after``, which includes this benchmark's own threads). A tree
+    copied without its ``.git`` (a lent GPU machine's) takes the commit from the environment's
+    ``UNNORM_GIT_COMMIT``, set by whoever copied it, and leaves ``git_dirty`` unknown."""
     def git(*command):
-        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+        try:
+            return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+        except FileNotFoundError:  # no git installed
+            return subprocess.CompletedProcess(command, 1, "", "")
     head = git("rev-parse", "HEAD")
     known = head.returncode == 0
-    return {"git_commit": head.stdout.strip() if known else None,
+    return {"git_commit": head.stdout.strip() if known else os.environ.get(COPIED_TREE_COMMIT),
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
                                   ":!results").stdout.strip()) if known else None,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -278,9 +287,11 @@ def machine(device: torch.device) -> str:
     return f"{name}, {torch.get_num_threads()} threads"
 
 
-def variants(model: str) -> list[str]:
-    """The inference variants of ``model``: the conversions exist for the language model."""
-    return [v for v in VARIANT_NORMS if v not in CONVERTED or model in LMS]
+def variants(model: str, chosen: list[str]) -> list[str]:
+    """The ``chosen`` inference variants that ``model`` has: the conversions exist for the
+    language model. LN and the no-norm limit are always measured: every ratio's baselines."""
+    return [v for v in VARIANT_NORMS
+            if (v in chosen or v in ("ln", "no_norm")) and (v not in CONVERTED or model in LMS)]
 
 
 def inputs(model: str, args, device: torch.device) -> torch.Tensor:
@@ -320,7 +331,7 @@ def inference(args, device) -> list[dict]:
     images = {model: inputs(model, args, device) for model in args.models}
     runners, work = {}, {}
     for model in args.models:
-        for variant in variants(model):
+        for variant in variants(model, args.variants):
             net = build(model, variant, args.img_size, device)
             if model in DETECTORS:
                 work[(model, variant)] = detector_work(net, images[model])
@@ -346,7 +357,7 @@ def inference(args, device) -> list[dict]:
         times = timed_rounds(calls, args.rounds, device, args.batches)
     if device.type == "cpu":
         probes = {(model, variant, "eager"): functools.partial(cpu_peak_rss, model, variant, args)
-                  for model in args.models for variant in variants(model)}
+                  for model in args.models for variant in variants(model, args.variants)}
         print(f"probing peak RSS in {args.memory_rounds} rounds of {len(probes)} fresh "
               f"processes...", flush=True)
         memory = measured_rounds(probes, args.memory_rounds)
@@ -480,6 +491,11 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--lm-context", type=int, default=256, help="LM sequence length (Mix-LN's)")
     parser.add_argument("--batches", type=int, default=None, help="timed batches per round")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                        help="inference of the variants, training steps of the norms, or both")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANT_NORMS),
+                        choices=list(VARIANT_NORMS),
+                        help="inference variants (LN and the no-norm limit always)")
     add_shared_options(parser, "--train-norms", rounds=(7, CPU_ROUNDS), warmup=3,
                        norms_help="norms whose training step is timed (LN always, as the baseline)")
     parser.add_argument("--memory-rounds", type=int, default=CPU_MEMORY_ROUNDS,
@@ -502,8 +518,8 @@ def main() -> None:
     compile_side_by_side()
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    inference_rows = inference(args, device)
-    training_rows = training(args, device)
+    inference_rows = inference(args, device) if "inference" in args.parts else []
+    training_rows = training(args, device) if "training" in args.parts else []
     run_context["load_after"] = list(os.getloadavg())
     table = report(inference_rows, training_rows)
     print(table)

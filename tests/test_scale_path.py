@@ -15,12 +15,21 @@ from test_norms import make_sequence
 C = 8
 SHAPE = (4, 5, C)
 STATEFUL = list(STATEFUL_OPTIONS)
+# autocast and the GradScalers are the device's own kernels (a GPU's are what clusters run);
+# scripts/gpu_check.py runs the CUDA ones on a lent GPU (`-k cuda`)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
 
-def model(name, seed=0):
+def model(name, seed=0, device="cpu"):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(C, C), unnorm.build_norm(name, C, **OPTIONS[name]),
-                               torch.nn.GELU(), torch.nn.Linear(C, 3))
+                               torch.nn.GELU(), torch.nn.Linear(C, 3)).to(device)
+
+
+def sequence(steps, device, **options):
+    """``make_sequence``'s batches (and output gradients) on ``device``."""
+    return [[t.to(device) for t in tensors] for tensors in make_sequence(steps, **options)]
 
 
 def norm_state(net):
@@ -78,16 +87,17 @@ def test_casting_a_trained_norm_keeps_its_statistics_unrounded(name):
     assert all(norm.get_buffer(k).dtype == torch.float64 for k in before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_under_autocast_the_statistics_are_float32(name):
+def test_under_autocast_the_statistics_are_float32(name, device):
     """bf16 autocast: the norm sees bf16 activations; its statistics must be those of a float32
     norm fed the same bf16 values (bf16 arithmetic would be off by ~1e-3)."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(C, C)
-    under_amp = unnorm.build_norm(name, C, **OPTIONS[name])
-    reference = unnorm.build_norm(name, C, **OPTIONS[name])
-    for x, dy in zip(*make_sequence(10, shape=SHAPE, spikes={})):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    layer = torch.nn.Linear(C, C, device=device)
+    under_amp = unnorm.build_norm(name, C, device=device, **OPTIONS[name])
+    reference = unnorm.build_norm(name, C, device=device, **OPTIONS[name])
+    for x, dy in zip(*sequence(10, device, shape=SHAPE, spikes={})):
+        with torch.autocast(device, dtype=torch.bfloat16):
             h = layer(x * 30)
             y = under_amp(h)
         assert h.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
@@ -135,7 +145,8 @@ def _train(net, batches, scaler=None, overflow_steps=(), micro_batches=1):
 
 def _scaler(cls, net, **options):
     options = {"init_scale": 2.0 ** 8, "growth_interval": 3, **options}
-    return cls(net, "cpu", **options) if cls is unnorm.GradScaler else cls("cpu", **options)
+    device = next(net.parameters()).device.type
+    return cls(net, device, **options) if cls is unnorm.GradScaler else cls(device, **options)
 
 
 def _assert_states_close(got, want, rtol=1e-5, atol=1e-6):
@@ -144,38 +155,41 @@ def _assert_states_close(got, want, rtol=1e-5, atol=1e-6):
                                    msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", STATEFUL + ["ln"])
-def test_training_with_a_changing_loss_scale_follows_the_unscaled_run(name):
+def test_training_with_a_changing_loss_scale_follows_the_unscaled_run(name, device):
     """The scale grows every 3 updates: with unnorm's GradScaler the norms' statistics and the
     weights follow the run without loss scaling to float32 precision; torch's plain scaler
     leaves UN, MABN and PN's gradient statistics in mixed scaled units."""
-    batches = make_sequence(24, shape=SHAPE, spikes={})[0]
-    reference = model(name)
+    batches = sequence(24, device, shape=SHAPE, spikes={})[0]
+    reference = model(name, device=device)
     want = _train(reference, batches)
-    guarded = model(name)
+    guarded = model(name, device=device)
     got = _train(guarded, batches, _scaler(unnorm.GradScaler, guarded))
     for state, expected in zip(got, want):
         _assert_states_close(state, expected)
     for p, q in zip(guarded.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     if name in ("un", "mabn", "pn"):  # the test can fail: the old behaviour differs
-        plain = model(name)
+        plain = model(name, device=device)
         drifted = _train(plain, batches, _scaler(torch.amp.GradScaler, plain))[-1]
         error = max((drifted[k].double() - want[-1][k].double()).abs().max() for k in drifted
                     if drifted[k].is_floating_point())
         assert error > 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("name", STATEFUL)
-def test_an_update_the_scaler_skips_leaves_every_norm_buffer_as_it_was(name, micro_batches):
+def test_an_update_the_scaler_skips_leaves_every_norm_buffer_as_it_was(name, micro_batches,
+                                                                        device):
     """The overflow is in the head's weight gradient, not in the norm's: the norm's own step
     was clean, yet the skipped update must leave it exactly as before, and the run then
     continues as the unscaled run that never saw those batches."""
-    batches = make_sequence(20, shape=SHAPE, spikes={})[0]
+    batches = sequence(20, device, shape=SHAPE, spikes={})[0]
     skipped_update = 5
     skipped_batches = range(skipped_update * micro_batches, (skipped_update + 1) * micro_batches)
-    guarded = model(name)
+    guarded = model(name, device=device)
     scaler = _scaler(unnorm.GradScaler, guarded)
     got = _train(guarded, batches, scaler, overflow_steps=[skipped_batches[-1]],
                  micro_batches=micro_batches)
@@ -184,12 +198,12 @@ def test_an_update_the_scaler_skips_leaves_every_norm_buffer_as_it_was(name, mic
     assert int(scaler.guard.skipped_updates) == 1
     assert int(guarded[1].num_rejected) == 0
     if micro_batches == 1:  # the test can fail: torch's own scaler lets the norm commit
-        plain = model(name)
+        plain = model(name, device=device)
         unguarded = _train(plain, batches, _scaler(torch.amp.GradScaler, plain),
                            overflow_steps=[skipped_batches[-1]])
         assert any(not torch.equal(unguarded[skipped_update][k], v)
                    for k, v in unguarded[skipped_update - 1].items())
-    reference = model(name)
+    reference = model(name, device=device)
     kept = [x for i, x in enumerate(batches) if i not in skipped_batches]
     want = _train(reference, kept, micro_batches=micro_batches)
     _assert_states_close(got[-1], want[-1])

@@ -1,0 +1,61 @@
+"""scripts/gpu_check.py: its rehearsal on the CPU runs every step, and a budget that runs out
+stops the step in flight and starts no other, with what was measured kept."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["tests", "swin_t_inference", "swin_t_training", "norms_bfloat16", "norms_float32",
+         "llama_71m"]
+
+
+def gpu_check(*args):
+    return subprocess.run([sys.executable, "scripts/gpu_check.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_the_dry_run_runs_every_step_and_keeps_each_record(tmp_path):
+    done = gpu_check("--dry-run", "--out-dir", tmp_path, "--budget", 800)
+    assert done.returncode == 0, done.stderr + (tmp_path / "gpu_check.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [step["name"] for step in summary["steps"]] == STEPS
+    assert all(step["status"] == "passed" and step["wrote"] for step in summary["steps"])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert summary["git_commit"] == head.stdout.strip()
+    inference = json.loads((tmp_path / "inference_cuda.json").read_text())
+    assert {row["variant"] for row in inference["inference"]} >= {"ln", "un_folded", "no_norm"}
+    assert inference["training"] == []
+    training = json.loads((tmp_path / "training_cuda.json").read_text())
+    assert {row["norm"] for row in training["training"]} == {"ln", "un"}
+    for dtype in ("bfloat16", "float32"):
+        norms = json.loads((tmp_path / f"norms_cuda_{dtype}.json").read_text())
+        assert norms["dtype"] == dtype and {row["dtype"] for row in norms["results"]} == {dtype}
+    llama = json.loads((tmp_path / "inference_cuda_llama.json").read_text())
+    assert {row["variant"] for row in llama["inference"]} >= {"ln", "rms_converted",
+                                                              "crms_converted"}
+
+
+def test_a_spent_budget_cuts_the_step_in_flight_and_starts_no_other(tmp_path):
+    done = gpu_check("--dry-run", "--out-dir", tmp_path, "--budget", 1.5)
+    assert done.returncode == 0, done.stderr
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert [step["status"] for step in steps] == ["cut"] + ["not started"] * (len(STEPS) - 1)
+    assert steps[0]["seconds"] < 10  # stopped, not waited for
+    assert "== tests" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_bad_requests_are_refused_by_name(tmp_path):
+    done = gpu_check("--dry-run", "--out-dir", tmp_path, "--only", "tables")
+    assert done.returncode == 2 and "the steps are tests, swin_t_inference" in done.stderr
+    done = gpu_check("--dry-run", "--out-dir", tmp_path, "--budget", 0)
+    assert done.returncode == 2 and "must be positive" in done.stderr
+    if not torch.cuda.is_available():
+        done = gpu_check("--out-dir", tmp_path)
+        assert done.returncode == 1 and "use --dry-run" in done.stderr
