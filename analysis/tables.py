@@ -680,7 +680,11 @@ def efficiency_table(paper: dict, benchmarks: Path) -> Table:
                              _speedup(other), _speedup(limit) if limit else "—"])
     return Table("Table 8: inference efficiency, LN vs folded norms (Swin-T; Mask R-CNN Swin-T; "
                  "LLaMA-71M, whose img/s are sequences/s)",
-                 header, rows, ["ours: scripts/benchmark.py; CPU memory is the peak RSS of the whole "
+                 header, rows, ["ours: scripts/benchmark.py; GPU memory is the peak the "
+                                "allocator held during inference above the loaded models "
+                                "(torch.cuda.max_memory_allocated, exact: one measurement; the "
+                                "weights, about 110 MB for Swin-T, are not in it); CPU memory is "
+                                "the peak RSS of the whole "
                                 "process during inference, a median over fresh processes, its "
                                 "reduction the paired ratio to LN's with the bootstrap 95% "
                                 "interval. DyT folded keeps its elementwise tanh. Speed-ups are "

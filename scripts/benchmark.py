@@ -165,19 +165,22 @@ def context() -> dict:
     """What a record's times depend on besides the code: the commit (``git_dirty``: tracked
     files outside results/ differ from it), the date, the CPUs and torch's threads. The 1, 5 and
     15-minute load averages are taken at the start (``load_before``: others' load) and after
-    the last timed round (``load_after``, which includes this benchmark's own threads). A tree
-    copied without its ``.git`` (a lent GPU machine's) takes the commit from the environment's
-    ``UNNORM_GIT_COMMIT``, set by whoever copied it, and leaves ``git_dirty`` unknown."""
-    def git(*command):
-        try:
+    the last timed round (``load_after``, which includes this benchmark's own threads). A copied
+    tree (a lent GPU machine's) is the commit its copier names in ``UNNORM_GIT_COMMIT``, and
+    ``git_dirty`` is then unknown: the ``.git`` such a copy carries can be older than the
+    files (one reported the session's first commit, dirty, for a tree that was a later one)."""
+    named = os.environ.get(COPIED_TREE_COMMIT)
+    if named:
+        commit = {"git_commit": named, "git_dirty": None}
+    else:
+        def git(*command):
             return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
-        except FileNotFoundError:  # no git installed
-            return subprocess.CompletedProcess(command, 1, "", "")
-    head = git("rev-parse", "HEAD")
-    known = head.returncode == 0
-    return {"git_commit": head.stdout.strip() if known else os.environ.get(COPIED_TREE_COMMIT),
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!results").stdout.strip()) if known else None,
+        head = git("rev-parse", "HEAD")
+        known = head.returncode == 0
+        commit = {"git_commit": head.stdout.strip() if known else None,
+                  "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--",
+                                        ".", ":!results").stdout.strip()) if known else None}
+    return {**commit,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_before": list(os.getloadavg()), "load_after": None}

@@ -220,3 +220,11 @@ def test_detector_variants_post_process_the_same_boxes():
     work[("mask_rcnn", "prepbn")] = {**work[("mask_rcnn", "prepbn")], "detections": [100, 0]}
     with pytest.raises(RuntimeError, match="mask_rcnn: the variants post-process different"):
         benchmark.check_equal_work(work)
+
+
+def test_a_copied_tree_is_the_commit_its_copier_names(monkeypatch):
+    """A lent GPU machine's copy carried a .git older than its files: the named commit wins,
+    and whether the files differ from it is unknown, not guessed."""
+    monkeypatch.setenv(benchmark.COPIED_TREE_COMMIT, "c0ffee")
+    context = benchmark.context()
+    assert context["git_commit"] == "c0ffee" and context["git_dirty"] is None

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["tests", "swin_t_inference", "swin_t_training", "norms_bfloat16", "norms_float32",
-         "llama_71m"]
+STEPS = ["tests", "swin_t_inference", "swin_t_training", "llama_71m", "norms_bfloat16",
+         "norms_float32", "norms_bfloat16_compiled"]
 
 
 def gpu_check(*args):
@@ -22,21 +22,23 @@ def gpu_check(*args):
 
 @pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_keeps_each_record(tmp_path):
-    done = gpu_check("--dry-run", "--out-dir", tmp_path, "--budget", 800)
+    done = gpu_check("--dry-run", "--out-dir", tmp_path, "--budget", 800, "--commit", "c0ffee")
     assert done.returncode == 0, done.stderr + (tmp_path / "gpu_check.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [step["name"] for step in summary["steps"]] == STEPS
     assert all(step["status"] == "passed" and step["wrote"] for step in summary["steps"])
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    assert summary["git_commit"] == head.stdout.strip()
+    assert summary["git_commit"] == "c0ffee" and summary["git_dirty"] is None
     inference = json.loads((tmp_path / "inference_cuda.json").read_text())
+    assert inference["context"]["git_commit"] == "c0ffee"  # the copied tree's, as named
     assert {row["variant"] for row in inference["inference"]} >= {"ln", "un_folded", "no_norm"}
     assert inference["training"] == []
     training = json.loads((tmp_path / "training_cuda.json").read_text())
     assert {row["norm"] for row in training["training"]} == {"ln", "un"}
-    for dtype in ("bfloat16", "float32"):
+    for dtype, modes in (("bfloat16", {"eager"}), ("float32", {"eager"}),
+                         ("bfloat16_compiled", {"eager", "compiled"})):
         norms = json.loads((tmp_path / f"norms_cuda_{dtype}.json").read_text())
-        assert norms["dtype"] == dtype and {row["dtype"] for row in norms["results"]} == {dtype}
+        assert {row["dtype"] for row in norms["results"]} == {dtype.split("_")[0]}
+        assert {row["mode"] for row in norms["results"]} == modes
     llama = json.loads((tmp_path / "inference_cuda_llama.json").read_text())
     assert {row["variant"] for row in llama["inference"]} >= {"ln", "rms_converted",
                                                               "crms_converted"}
