@@ -62,9 +62,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import unnorm  # noqa: E402
-from plugins.lm import build_lm  # noqa: E402
-from plugins.lm.convert import to_pre_crms, to_pre_rms  # noqa: E402
-from plugins.lm.fold import fold_lm  # noqa: E402
 from plugins.timm import create_classifier, fold_model  # noqa: E402
 from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
 from plugins.training import no_eager_fallback  # noqa: E402
@@ -77,7 +74,8 @@ LMS = {"llama_71m"}
 LM_VOCAB = 32000  # LLaMA's tokenizer, as Mix-LN trains on C4
 VARIANT_NORMS = {"ln": "ln", "un": "un", "un_folded": "un", "prepbn_folded": "prepbn",
                  "dyt": "dyt", "no_norm": "nonorm", "rms_converted": "ln", "crms_converted": "ln"}
-CONVERTED = {"rms_converted": to_pre_rms, "crms_converted": to_pre_crms}  # language models only
+# language models only: plugins.lm.convert's conversions
+CONVERTED = {"rms_converted": "to_pre_rms", "crms_converted": "to_pre_crms"}
 PARTS = ("inference", "training")
 FOLDED = {"un_folded", "prepbn_folded", "dyt"}
 # past every warm-up (PRepBN: inside its hand-over, where training computes LN and BN)
@@ -97,6 +95,13 @@ CPU_MEMORY_ROUNDS = 5  # fresh processes per variant for its peak RSS
 SPREAD = "bootstrap 95% interval (2.5-97.5 percentiles) of the median of per-round ratios"
 
 
+def build_lm(*args, **kwargs):
+    """``plugins.lm.build_lm``, imported when a language model is measured: transformers'
+    import is half of this script's, which every memory probe of a vision model would pay."""
+    from plugins.lm import build_lm
+    return build_lm(*args, **kwargs)
+
+
 def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
     """An eval-mode model of the variant. Its weights are random: speed does not depend on
     them, except a detector's post-processing, held equal by ``EQUAL_DETECTIONS``."""
@@ -114,10 +119,12 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
         net = create_classifier(MODELS[model], {"name": norm, **options}, 1000, img_size)
     net.eval()
     if variant in CONVERTED:
-        CONVERTED[variant](net)
+        from plugins.lm import convert
+        getattr(convert, CONVERTED[variant])(net)
     elif variant in FOLDED:  # proved on one small input: random weights fold as trained ones
         generator = torch.Generator().manual_seed(0)
         if model in LMS:
+            from plugins.lm.fold import fold_lm
             fold_lm(net, probe=torch.randint(0, LM_VOCAB, (1, 16), generator=generator))
         else:
             images = torch.randn(1, 3, img_size, img_size, generator=generator)

@@ -27,15 +27,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from benchmark import COPIED_TREE_COMMIT, context  # noqa: E402  (the benchmarks' own)
-
 SUMMARY = "gpu_check.json"
 LOG = "gpu_check.log"
 SWIN_VARIANTS = ["ln", "un", "un_folded", "prepbn_folded", "no_norm"]  # Table 8's, and UN's
 # on the CPU: the same steps at toy size (a batch of one or two, two rounds, one warm-up; the
-# models eager: compiling Swin-T alone takes minutes here, and tests/test_compile.py compiles)
+# models eager, since compiling Swin-T alone takes minutes here and tests/test_compile.py
+# compiles; each model with LN, the no-norm limit and one more variant, since each variant's
+# memory is probed in fresh processes)
 TOY = ["--device", "cpu", "--rounds", "2", "--warmup", "1"]
 TOY_MODEL = [*TOY, "--batch", "1", "--train-batch", "2", "--img-size", "64", "--batches", "1",
              "--lm-context", "16", "--memory-rounds", "2", "--no-compile"]
@@ -45,9 +43,9 @@ def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None
     """``(name, arguments after python, the JSON it writes in out_dir)``, in order of value.
     Seconds on an H200 (2026-11-28): tests 37, Swin-T inference 185 and training 230 (mostly
     compiling), the LM 40, each eager norms step about 20, the compiled one 40 for 6 norms."""
-    def benchmark(out, *args):
-        return ["scripts/benchmark.py", *args, "--out", str(out_dir / out),
-                *(TOY_MODEL if dry_run else [])]
+    def benchmark(out, *args, toy_variant=None):
+        toy = [*TOY_MODEL, *(["--variants", toy_variant] if toy_variant else [])]
+        return ["scripts/benchmark.py", *args, "--out", str(out_dir / out), *(toy if dry_run else [])]
 
     def norms(dtype, compiled=False):
         name = f"norms_{dtype}{'_compiled' * compiled}"
@@ -61,7 +59,8 @@ def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None
                    "tests/test_compile.py", "tests/test_scale_path.py",
                    "--junitxml", str(out_dir / "tests_cuda.xml")], "tests_cuda.xml"),
         ("swin_t_inference", benchmark("inference_cuda.json", "--models", "swin_t", "--parts",
-                                       "inference", "--variants", *SWIN_VARIANTS),
+                                       "inference", "--variants", *SWIN_VARIANTS,
+                                       toy_variant="un_folded"),
          "inference_cuda.json"),
         ("swin_t_training", benchmark("training_cuda.json", "--models", "swin_t", "--parts",
                                       "training", "--train-norms", "ln", "un"),
@@ -69,7 +68,8 @@ def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None
         # eager, as Pre-CRMSNorm's paper measured it; compiling the LM's variants takes minutes
         ("llama_71m", benchmark("inference_cuda_llama.json", "--models", "llama_71m", "--parts",
                                 "inference", "--variants", "ln", "rms_converted",
-                                "crms_converted", "un_folded", "--batch", "128", "--no-compile"),
+                                "crms_converted", "un_folded", "--batch", "128", "--no-compile",
+                                toy_variant="crms_converted"),
          "inference_cuda_llama.json"),
         norms("bfloat16"),
         norms("float32"),
@@ -77,9 +77,8 @@ def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None
     ]
 
 
-def machine() -> dict:
+def machine(torch) -> dict:
     """The device, its driver, torch and CUDA: what every figure of the run depends on."""
-    import torch
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "driver": None}
@@ -111,8 +110,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for all the steps")
     parser.add_argument("--commit", default=None,
-                        help="the commit the copied tree is (default: the environment's "
-                             f"{COPIED_TREE_COMMIT}, else git's)")
+                        help="the commit the copied tree is (default: the environment's, "
+                             "benchmark.COPIED_TREE_COMMIT, else git's)")
     parser.add_argument("--only", nargs="+", default=None, help="run these steps alone")
     parser.add_argument("--dry-run", action="store_true",
                         help="every step at toy size on the CPU, to rehearse the run")
@@ -123,15 +122,17 @@ def main() -> None:
         parser.error(f"--only {' '.join(args.only)}: the steps are {', '.join(names)}")
     if args.budget <= 0:
         parser.error(f"--budget {args.budget}: the steps' seconds must be positive")
-    import torch
+    import torch  # after the arguments: a refused command line is answered at once
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("no CUDA device: these checks measure a GPU (use --dry-run to rehearse on a CPU)")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchmark import COPIED_TREE_COMMIT, context  # the benchmarks' own record of the commit
     if args.commit:
         os.environ[COPIED_TREE_COMMIT] = args.commit
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "dry_run": args.dry_run, "budget_s": args.budget,
-               **{key: context()[key] for key in ("git_commit", "git_dirty")}, **machine(),
+               **{key: context()[key] for key in ("git_commit", "git_dirty")}, **machine(torch),
                "command": " ".join(["python", *sys.argv]), "steps": []}
     start = time.monotonic()
     with open(args.out_dir / LOG, "a") as log:
