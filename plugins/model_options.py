@@ -3,7 +3,8 @@
 - ``model.weight_standardization``: Weight Standardization (Qiao et al.; the BCN release's
   ``imagenet/models/layers.py``) on the ``nn.Linear``/``nn.Conv2d`` layers these ``fnmatch``
   patterns name (``unnorm.standardize_weights``), with ``model.ws_eps`` and
-  ``model.ws_eps_form``. Classification, both detection backends and language modelling. A
+  ``model.ws_eps_form``. Every task (translation: fairseq's layer names, whose attentions then
+  call their projections: ``plugins.fairseq.unnorm_fairseq.model``). A
   pattern reaching the model's embedding or its classifier / predictor head is refused: the
   release pairs each standardised layer with a norm, and those layers have none.
   ``model.ws_eps_form=scaled`` (``ws=nf``) is NF-Nets' Scaled WS instead, with
@@ -32,7 +33,6 @@ from unnorm.ws import SCALED, StandardizedWeight, scaled_standardized, standardi
 CLASS_NORM_SITES = ("all", "final")
 WS_OPTIONS = {"ws_eps": "eps", "ws_eps_form": "eps_form",  # model.<key>: standardize_weights'
               "ws_gamma": "gamma"}
-WS_TASKS = ("classification", "detection", "language_modelling")
 
 
 def as_patterns(value) -> list[str]:
@@ -42,7 +42,8 @@ def as_patterns(value) -> list[str]:
 
 def check_model_options(cfg) -> None:
     """Refuse, before anything runs, a layer option the run's task does not have (SepNorm
-    needs a class token: classification; Weight Standardization: not translation), and a ``model.class_norm_sites`` that is neither ``all`` nor ``final``."""
+    needs a class token: classification), and a ``model.class_norm_sites`` that is neither
+    ``all`` nor ``final``."""
     model = cfg.model
     class_norm = model.get("class_norm")
     if class_norm is not None and cfg.task != "classification":
@@ -57,10 +58,6 @@ def check_model_options(cfg) -> None:
         raise ValueError(f"model.class_norm_sites must be all (every norm the class token passes, "
                          f"the release's) or final (the last norm only), got "
                          f"{model.class_norm_sites!r}")
-    if model.get("weight_standardization") is not None and cfg.task not in WS_TASKS:
-        raise ValueError(f"model.weight_standardization is an option of classification, "
-                         f"detection and language modelling; the {cfg.task} model {model.name} does not take it: drop it "
-                         "(or standardise layers in your own code: unnorm.standardize_weights)")
 
 
 def standardize_layers(model: nn.Module, model_cfg: Mapping, *, embedding: Sequence[str],

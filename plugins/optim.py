@@ -21,8 +21,8 @@ Gradient clipping, of the unscaled gradients before the step (``clip_gradients``
 clips each output unit's gradient to that fraction of its weight's norm (NF-Nets' Adaptive
 Gradient Clipping, Brock et al. 2021: timm's ``adaptive_clip_grad``, eps 1e-3), the
 normalizer-free baseline's (docs/vision.md). One or neither: both set is refused
-(``check_clipping``), and so is ``recipe.agc`` in translation, which clips in fairseq's
-trainer.
+(``check_clipping``); in translation fairseq's trainer clips (``plugins.fairseq.train``:
+``recipe.agc`` there, or ``recipe.train.clip_norm``).
 """
 from __future__ import annotations
 
@@ -202,15 +202,19 @@ def _group_norm(tensors: list[torch.Tensor], sharded: bool) -> torch.Tensor:
 
 
 def check_clipping(cfg: DictConfig) -> None:
-    """Refuse ``recipe.agc`` together with ``recipe.clip_grad`` (two clippings of one step),
-    and in translation (fairseq's trainer clips by the global norm only)."""
+    """Refuse ``recipe.agc`` together with another clipping of the same step:
+    ``recipe.clip_grad``, or translation's ``recipe.train.clip_norm`` (fairseq's)."""
     recipe = cfg.recipe
     agc = recipe.get("agc")
     if agc is None:
         return
     if cfg.task == "translation":
-        raise ValueError(f"recipe.agc={agc}: fairseq's trainer clips gradients by their global "
-                         "norm only (recipe.train.clip_norm); drop recipe.agc for translation")
+        if recipe.train.get("clip_norm"):
+            raise ValueError(f"recipe.agc={agc} and recipe.train.clip_norm="
+                             f"{recipe.train.clip_norm} both clip the gradients: choose one, "
+                             "recipe.train.clip_norm=0.0 for adaptive clipping (the "
+                             "normalizer-free baseline) or recipe.agc=null")
+        return
     if recipe.get("clip_grad") is not None:
         raise ValueError(f"recipe.agc={agc} and recipe.clip_grad={recipe.clip_grad} both clip the "
                          "gradients: choose one, recipe.clip_grad=null for adaptive clipping "

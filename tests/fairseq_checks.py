@@ -9,6 +9,7 @@ of fairseq's environment (the main one cannot import fairseq):
     .venv-fairseq/bin/python tests/fairseq_checks.py loss-scale DATA_BIN
     .venv-fairseq/bin/python tests/fairseq_checks.py norm-state CHECKPOINT
     .venv-fairseq/bin/python tests/fairseq_checks.py gns DATA_BIN RUN_DIR
+    .venv-fairseq/bin/python tests/fairseq_checks.py nf DATA_BIN
 
 Each prints a JSON summary (the tests assert on it) and exits non-zero, with the reason, when
 a check cannot be made.
@@ -23,9 +24,12 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+from timm.utils.agc import adaptive_clip_grad
+
 import unnorm
 from plugins.fairseq.checkpoints import load
-from plugins.fairseq.train import GuardedTrainer
+from plugins.fairseq.train import GuardedTrainer, adaptive_clipping
+from unnorm.ws import StandardizedWeight
 
 USER_DIR = str(Path(__file__).resolve().parents[1] / "plugins" / "fairseq" / "unnorm_fairseq")
 EXTRA_PAD = 3   # padding columns added to source (left) and target (right)
@@ -410,7 +414,96 @@ def check_gns(data: str, run_dir: str) -> dict:
     return summary
 
 
-CHECKS = {"padding": check_padding, "same-weights": check_same_weights, "precision": check_precision,
+NF_FLAGS = ("--weight-standardization", "encoder.layers.*", "decoder.layers.*", "--ws-eps", "1e-6",
+            "--ws-eps-form", "scaled", "--ws-gamma", "1.0")
+
+
+def gradients(params) -> list:
+    """Copies of the parameters' gradients (None where there is none)."""
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def check_nf(data: str) -> dict:
+    """The normalizer-free baseline in translation (--norm-type nonorm, Scaled WS, AGC).
+    Standardisation: the model against a copy whose standardised weights are baked into plain
+    layers, where fairseq's self-attention takes its fast path (the projections' weights handed
+    to torch), and, as the control, the model with that fast path allowed again (it reads the
+    raw weights). AGC: the gradients fairseq's optimizer steps with, against timm's
+    adaptive_clip_grad applied to the gradients fairseq's clipping received, over two updates
+    of GuardedTrainer; the control steps without --agc. And the refusals."""
+    model, net_input, _ = build(data, "nonorm", *NF_FLAGS)
+    with torch.no_grad():  # gains away from 1, so a missed gain shows
+        for name, parameter in model.named_parameters():
+            if name.endswith(".gain"):
+                parameter.uniform_(0.5, 1.5)
+    model.train()
+    attentions = [m for m in model.modules() if hasattr(m, "skip_embed_dim_check")]
+    out = model(**net_input)[0]
+    baked = copy.deepcopy(model)
+    unnorm.bake_standardized_weights(baked)
+    for module in baked.modules():
+        if hasattr(module, "skip_embed_dim_check"):
+            module.skip_embed_dim_check = False
+    summary = {"standardized": sum(isinstance(m, StandardizedWeight) for m in model.modules()),
+               "attentions": len(attentions),
+               "calling": sum(m.skip_embed_dim_check for m in attentions),
+               "vs_baked": relative(out, baked(**net_input)[0])}
+    for module in attentions:
+        module.skip_embed_dim_check = False
+    summary["fast_path_control"] = relative(out, model(**net_input)[0])
+    for agc in ("0.01", None):
+        flags = ["--optimizer", "adam", "--lr", "1e-3", *(["--agc", agc] if agc else [])]
+        cfg, task, batches = setup(data, "nonorm", *NF_FLAGS, *flags)
+        torch.manual_seed(1)
+        model = task.build_model(cfg.model)
+        trainer = GuardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
+        seen = {"weights": [], "clipped_from": [], "stepped": [], "norms": []}
+        fairseq_clip = type(trainer.optimizer).clip_grad_norm
+        fairseq_step = type(trainer.optimizer).step
+
+        def clip(self, max_norm, *args, **kwargs):
+            seen["weights"].append([p.detach().clone() for p in self.params])
+            seen["clipped_from"].append(gradients(self.params))
+            norm = fairseq_clip(self, max_norm, *args, **kwargs)
+            seen["norms"].append(float(norm))
+            return norm
+
+        def step(self, *args, **kwargs):
+            seen["stepped"].append(gradients(self.params))
+            return fairseq_step(self, *args, **kwargs)
+        trainer.optimizer.clip_grad_norm = clip.__get__(trainer.optimizer)
+        trainer.optimizer.step = step.__get__(trainer.optimizer)
+        for batch in batches[:2]:
+            trainer.train_step([batch])
+        vs_timm, clipped, norms = [], 0, []
+        for weights, before, after, norm in zip(seen["weights"], seen["clipped_from"],
+                                                seen["stepped"], seen["norms"]):
+            expected = [torch.nn.Parameter(w.clone()) for w in weights]
+            for param, grad in zip(expected, before):
+                param.grad = None if grad is None else grad.clone()
+            adaptive_clip_grad(expected, 0.01)
+            pairs = [(a, p.grad, b) for a, p, b in zip(after, expected, before) if b is not None]
+            vs_timm.append(max(relative(a, e) for a, e, _ in pairs))
+            clipped += sum(not torch.equal(a, b) for a, _, b in pairs)
+            unclipped = torch.stack([b.double().norm() for _, _, b in pairs]).norm()
+            norms.append(abs(norm - float(unclipped)) / float(unclipped))
+        summary[f"agc={agc}"] = {"updates": trainer.get_num_updates(), "clipped": clipped,
+                                 "tensors": len(pairs), "vs_timm": vs_timm,
+                                 "grad_norm_vs_unclipped": norms}
+    refusals = {}
+    for name, flags in (("clip_norm", ["--agc", "0.01", "--clip-norm", "0.1"]),
+                        ("fp16", ["--agc", "0.01", "--fp16"]), ("zero", ["--agc", "0"])):
+        try:
+            adaptive_clipping(setup(data, "nonorm", *flags)[0])
+            refusals[name] = None
+        except ValueError as refusal:
+            refusals[name] = str(refusal)
+    summary["refusals"] = refusals
+    return summary
+
+
+CHECKS = {"nf": check_nf, "padding": check_padding, "same-weights": check_same_weights,
+          "precision": check_precision,
           "groups": check_groups, "sepnorm": check_sepnorm, "skipped-update": check_skipped_update,
           "loss-scale": check_loss_scale, "norm-state": check_norm_state, "gns": check_gns}
 

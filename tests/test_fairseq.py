@@ -156,6 +156,29 @@ def test_experiments_give_the_papers_fairseq_commands(tmp_path):
                                tmp_path, tmp_path)
 
 
+def test_the_normalizer_free_baseline_gives_its_fairseq_flags(tmp_path):
+    """ws=nf and recipe.agc reach fairseq as the model's flags (plugins.fairseq.train applies
+    --agc); a plain pattern list too, and nothing when weight_standardization is null."""
+    cfg = config("+exp=iwslt14_nonorm", "ws=nf", "recipe.agc=0.01")
+    command = " ".join(launcher.train_command(cfg, _Env(), tmp_path, tmp_path / "checkpoints"))
+    assert ("--weight-standardization encoder.layers.* decoder.layers.* --ws-eps 1e-06 "
+            "--ws-eps-form scaled --ws-gamma 1.0 --agc 0.01") in command
+    assert command.startswith("python -m plugins.fairseq.train")
+    plain = config("+exp=wmt14_ln", "model.weight_standardization=[encoder.layers.*.fc1]")
+    command = launcher.train_command(plain, _Env(), tmp_path, tmp_path)
+    assert command[command.index("--weight-standardization") + 1] == "encoder.layers.*.fc1"
+    assert "--ws-eps-form" not in command and "--agc" not in command
+    stock = launcher.train_command(config("+exp=iwslt14_ln"), _Env(), tmp_path, tmp_path)
+    assert "--weight-standardization" not in stock and "--agc" not in stock
+
+
+def test_adaptive_clipping_under_fairseqs_fp16_is_refused_before_anything_runs(gpus):
+    gpus(1)
+    with pytest.raises(ValueError, match=re.escape("set amp=false to train in float32")):
+        launcher.run_config(config("+exp=iwslt14_nonorm", "ws=nf", "recipe.agc=0.01"))
+    launcher.run_config(config("+exp=iwslt14_nonorm", "ws=nf", "recipe.agc=0.01", "amp=false"))
+
+
 @pytest.fixture
 def gpus(monkeypatch):
     """Pretend this machine has ``gpus(n)`` CUDA devices (the launcher only asks)."""
@@ -170,6 +193,8 @@ def gpus(monkeypatch):
     (["record_statistics=true"], ValueError, "drop it for translation"),
     (["scale.max_steps_per_epoch=5"], ValueError, "recipe.train.max_update"),
     (["reset_norm_steps=true"], ValueError, "set init_from="),
+    (["recipe.agc=0.01", "recipe.train.clip_norm=0.1"], ValueError,
+     "recipe.train.clip_norm=0.0 for adaptive clipping"),
     (["+recipe.train.fp16=true"], ValueError, "set amp=false"),
     (["amp=false", "+recipe.train.bf16=true"], ValueError, "implies --tpu"),
     (["amp=bf16"], ValueError, "amp=bf16: fairseq 0.12.2's --bf16 implies --tpu"),
@@ -354,6 +379,42 @@ def test_ln_is_the_stock_transformer(synthetic_data, tmp_path):
                           str(tmp_path / "stock" / "checkpoint_last.pt"),
                           str(tmp_path / "ours" / "checkpoint_last.pt"))
     assert same["identical"] and same["tensors"] > 100
+
+
+def test_the_normalizer_free_baseline_in_fairseq(synthetic_data):
+    """Scaled WS on every encoder and decoder layer with no norm: the model computes what a
+    copy with the standardised weights baked into plain layers computes, which fairseq's fast
+    self-attention path reads directly (allowed again, that path reads the raw weights: the
+    control); fairseq's optimizer steps with timm's adaptive clipping of the gradients its
+    clipping received, and fairseq's logged norm stays the unclipped one; without --agc
+    nothing is clipped (the control); the settings it cannot honour are refused by name."""
+    summary = fairseq_python("tests/fairseq_checks.py", "nf", str(synthetic_data))
+    # 2+2 layers: 6 projections in an encoder layer, 10 in a decoder layer
+    assert summary["standardized"] == 2 * 6 + 2 * 10
+    assert summary["calling"] == summary["attentions"] == 2 + 2 * 2
+    assert summary["vs_baked"] < 1e-4  # float32 rounding: two kernels order the same sums apart
+    assert summary["fast_path_control"] > 0.01
+    clipped = summary["agc=0.01"]
+    assert clipped["updates"] == 2 and clipped["clipped"] > 0
+    assert max(clipped["vs_timm"]) == 0.0  # the same function on the same tensors
+    assert max(clipped["grad_norm_vs_unclipped"]) < 1e-5
+    control = summary["agc=None"]
+    assert control["clipped"] == 0 and min(control["vs_timm"]) > 0.01
+    refusals = summary["refusals"]
+    assert "set --clip-norm 0" in refusals["clip_norm"]
+    assert "train in float32" in refusals["fp16"] and "must be positive" in refusals["zero"]
+
+
+@pytest.mark.slow
+def test_a_normalizer_free_translation_run(synthetic_data, tmp_path):
+    """ws=nf with recipe.agc and norm=nonorm through the launcher, as scripts/train.py runs it:
+    fairseq trains it (a short run: that it runs, not what it learns)."""
+    overrides = ["scale=cpu", "device=cpu", "logger=none", "ws=nf", "recipe.agc=0.01",
+                 "recipe.train.max_update=20"]
+    result = launcher.train(config("+exp=iwslt14_nonorm", *overrides), tmp_path / "run", overrides)
+    assert result["status"] in FINISHED and result["steps"] == 20, result
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "--agc 0.01" in log or result["metrics"]["num_updates"] == 20
 
 
 def test_padding_is_excluded_from_every_norm(synthetic_data):

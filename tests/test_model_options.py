@@ -358,8 +358,6 @@ def test_separate_class_norms_refuses_a_causal_hugging_face_decoder():
     (["+exp=faster_rcnn_swin_t", "+model.class_norm=bn"], "detection model .* no class token.*norm="),
     (["+exp=iwslt14", "+model.class_norm=bn"], "translation model .* no class token"),
     (["+exp=llama_71m_ln", "+model.class_norm=bn"], "language_modelling model .* no class token"),
-    (["+exp=wmt14", "+model.weight_standardization=[x]"],
-     "option of classification, detection and language modelling"),
 ])
 def test_models_without_the_option_refuse_it_naming_the_alternative(overrides, refused):
     with pytest.raises(ValueError, match=refused):

@@ -138,7 +138,11 @@ def test_agc_with_clip_grad_is_refused_by_name(tmp_path):
                              tmp_path / "run")
 
 
-def test_agc_in_translation_is_refused_by_name():
-    cfg = OmegaConf.create({"task": "translation", "recipe": {"agc": 0.01}})
-    with pytest.raises(ValueError, match=re.escape("recipe.agc=0.01: fairseq's trainer clips")):
+def test_agc_in_translation_replaces_fairseqs_clipping_and_is_refused_beside_it():
+    """fairseq's trainer clips there (plugins.fairseq.train; tests/test_fairseq.py runs it)."""
+    check_clipping(OmegaConf.create({"task": "translation",
+                                     "recipe": {"agc": 0.01, "train": {"clip_norm": 0.0}}}))
+    cfg = OmegaConf.create({"task": "translation", "recipe": {"agc": 0.01, "train": {"clip_norm": 0.1}}})
+    with pytest.raises(ValueError, match=re.escape(
+            "recipe.agc=0.01 and recipe.train.clip_norm=0.1 both clip the gradients")):
         check_clipping(cfg)

@@ -57,6 +57,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from plugins.model_options import WS_OPTIONS, as_patterns
 from plugins.norms import fit_norm_to_run, norm_kwargs
 from plugins.optim import optimizer_options
 from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, RunDirectory,
@@ -268,6 +269,11 @@ def check_precision(cfg: DictConfig, device: str) -> None:
     if cfg.amp == "fp16" and device != "cuda":
         raise ValueError("amp=fp16: fairseq trains in fp16 on CUDA only; on a CPU use amp=auto or "
                          "amp=false (float32); the other tasks' trainers rehearse autocast on a CPU")
+    if cfg.recipe.get("agc") is not None and precision_flags(cfg, device):
+        raise ValueError(f"recipe.agc={cfg.recipe.agc} with amp={cfg.amp} on {device}: fairseq's "
+                         "--fp16 optimizer steps a float32 copy of the weights that adaptive "
+                         "clipping does not reach (plugins.fairseq.train); set amp=false to train "
+                         "in float32, or recipe.agc=null")
 
 
 def precision_flags(cfg: DictConfig, device: str) -> list[str]:
@@ -289,6 +295,19 @@ def placement_flags(position: str) -> list[str]:
     return PLACEMENT_FLAGS[position]
 
 
+def standardization_flags(model: DictConfig) -> list[str]:
+    """``model.weight_standardization`` (fnmatch patterns of fairseq's layer names; ``ws=nf``:
+    ``model.nf_targets``) and its options as the model's flags; none when it is null."""
+    patterns = model.get("weight_standardization")
+    if patterns is None:
+        return []
+    flags = ["--weight-standardization", *as_patterns(patterns)]
+    for key in WS_OPTIONS:
+        if model.get(key) is not None:
+            flags += [f"--{key.replace('_', '-')}", str(model[key])]
+    return flags
+
+
 def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
                   device: str = "cpu") -> list[str]:
     command = [*env.module("plugins.fairseq.train"), str(data), "--user-dir", str(USER_DIR),
@@ -302,6 +321,9 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
     if cfg.record_gns:  # into the run directory, whose checkpoints/ fairseq saves to
         command += ["--record-gns", str(save_dir.parent)]
     command += sam_flags(_container(cfg.get("sam"))) + train_only_flags(cfg.train_only)
+    command += standardization_flags(cfg.model)
+    if cfg.recipe.get("agc") is not None:
+        command += ["--agc", str(cfg.recipe.agc)]
     train = _container(cfg.recipe.train)
     train["lr"] = train["lr"] * cfg.lr_multiple
     command += optimizer_flags(cfg)

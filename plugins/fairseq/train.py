@@ -38,6 +38,15 @@ shared loop does it, with ``plugins.sam``:
   micro-batch per update (``--update-freq``) is refused: the ascent needs the whole update's
   gradient first.
 
+``--agc LAMBDA`` (the model's flag; ``recipe.agc``, the normalizer-free baseline's clipping)
+clips adaptively where fairseq clips by the global norm (``clip_grad_norm``): timm's
+``adaptive_clip_grad`` on the parameters fairseq's optimizer steps, their gradients as fairseq's
+own clipping sees them (summed over the update's micro-batches and replicas, divided by its
+tokens). fairseq's gradient norm is still computed, unclipped, for its logs and its check for
+non-finite gradients. It is refused with ``--clip-norm`` (two clippings of one step), under
+``--fp16``/``--amp`` (whose optimizers step a float32 copy, or unscale, after the point where this
+clips) and with ``--ddp-backend fully_sharded`` (whose flat shards have no output units).
+
 The trainer prints the perturbed set's size and share, and what it trains as one
 ``plugins.fairseq.flags.TRAINED`` line, which the launcher records in ``result.json``
 (``trainable_parameters``, ``sam_perturbed_parameters``).
@@ -53,6 +62,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from fairseq.trainer import Trainer
 from fairseq_cli import train as fairseq_train
+from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.fairseq.flags import sam_entry, trained_line
@@ -112,6 +122,31 @@ class EpochGNS:
             "accumulate": self.update_freq[min(self.epoch, len(self.update_freq)) - 1]})
 
 
+def adaptive_clipping(cfg):
+    """``--agc``'s clipping factor (None: fairseq's own clipping), refused where it cannot be
+    what it says (the module docstring)."""
+    agc = getattr(cfg.model, "agc", None)
+    if agc is None:
+        return None
+    if agc <= 0:
+        raise ValueError(f"--agc {agc}: the clipping factor must be positive (NF-Nets: 0.01 to "
+                         "0.16), or leave --agc out")
+    if cfg.optimization.clip_norm:
+        raise ValueError(f"--agc {agc} and --clip-norm {cfg.optimization.clip_norm} both clip the "
+                         "gradients: set --clip-norm 0 (recipe.train.clip_norm=0.0) for adaptive "
+                         "clipping, or drop --agc (recipe.agc=null)")
+    half = [flag for flag in ("fp16", "memory_efficient_fp16", "amp", "bf16")
+            if getattr(cfg.common, flag, False)]
+    if half:
+        raise ValueError(f"--agc with --{half[0].replace('_', '-')}: fairseq's half-precision "
+                         "optimizers step a float32 copy of the weights (or unscale) after the "
+                         "point where --agc clips; train in float32 (amp=false) or drop --agc")
+    if cfg.distributed_training.ddp_backend == "fully_sharded":
+        raise ValueError("--agc with --ddp-backend fully_sharded: the shards are flat, with no "
+                         "output units to clip by; use another --ddp-backend or drop --agc")
+    return agc
+
+
 def output_projection(model):
     """The head of ``--train-only norm+head``: the decoder's output projection, refused where
     it is an embedding's weight too (training it would train the input embeddings)."""
@@ -134,7 +169,7 @@ def output_projection(model):
 class GuardedTrainer(Trainer):
     """fairseq's ``Trainer`` with every update inside an ``unnorm.LossScaleGuard``, the
     norms' per-example gradient norms recorded per epoch with ``--record-gns``, and the
-    model's ``--train-only`` and ``--sam`` applied."""
+    model's ``--train-only``, ``--sam`` and ``--agc`` applied."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         super().__init__(cfg, task, model, criterion, quantizer)
@@ -146,6 +181,7 @@ class GuardedTrainer(Trainer):
                             self.data_parallel_world_size,
                             self.is_data_parallel_master) if run_dir else None
         self._updating = self._second_pass_due = False
+        self.agc = adaptive_clipping(cfg)
         self.sam = self._train_through_the_norms(cfg, self.get_model())
 
     def _train_through_the_norms(self, cfg, model):
@@ -182,6 +218,15 @@ class GuardedTrainer(Trainer):
             self._second_pass_due = False
             self.sam.perturbed_gradient(lambda: self._task_train_step(*args, **kwargs))
         return outputs
+
+    def clip_grad_norm(self, clip_norm):
+        """fairseq's clipping by the global norm, or with ``--agc`` its unclipped norm and
+        the adaptive clipping (the module docstring)."""
+        if self.agc is None:
+            return super().clip_grad_norm(clip_norm)
+        grad_norm = super().clip_grad_norm(0.0)  # 0: fairseq computes the norm, clips nothing
+        adaptive_clip_grad(self.optimizer.params, self.agc)
+        return grad_norm
 
     def begin_epoch(self, epoch):
         """Also saves the previous epoch's GNS records (fairseq calls this before each epoch's

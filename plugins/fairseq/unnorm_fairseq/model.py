@@ -15,9 +15,16 @@ keeps fairseq's loss scaling away from the norms' statistics; fairseq-train is r
 So is ``--record-gns RUN_DIR`` (the norms' per-example gradient norms, ``unnorm.gns``), which
 that trainer records; it is registered here, with the norms' flags, so that every command line
 of this model (``plugins.fairseq.checkpoints`` rebuilds it from the training flags) takes it.
-So are ``--sam true`` with its ``--sam-*`` options (sharpness-aware updates, SAM-ON) and
-``--train-only norm|norm+head`` (``plugins.fairseq.flags``), which that trainer applies;
-fairseq-train, which would ignore them, is refused with them.
+So are ``--sam true`` with its ``--sam-*`` options (sharpness-aware updates, SAM-ON),
+``--train-only norm|norm+head`` (``plugins.fairseq.flags``) and ``--agc`` (adaptive gradient
+clipping), which that trainer applies; fairseq-train, which would ignore them, is refused with
+them. ``--weight-standardization PATTERN ...`` (with ``--ws-eps``, ``--ws-eps-form``,
+``--ws-gamma``: ``plugins.model_options.standardize_layers``) standardises the linear layers
+the patterns name; ``--ws-eps-form scaled`` with ``--agc`` and ``--norm-type nonorm`` is the
+normalizer-free baseline (``ws=nf``). fairseq's self-attention hands its projections' weights
+to ``F.multi_head_attention_forward`` rather than calling them, which would skip a
+standardised projection's standardisation: such an attention takes fairseq's own path that
+calls them (``skip_embed_dim_check``, whose only other effect is to skip a shape assertion).
 """
 from __future__ import annotations
 
@@ -42,7 +49,26 @@ from torch import nn
 
 import unnorm
 from plugins.fairseq.flags import OPTIONS, SAM_OPTIONS, boolean, dest
+from plugins.model_options import WS_OPTIONS, standardize_layers
 from plugins.sam import TRAIN_ONLY
+from unnorm.ws import EPS_FORMS, SCALED, StandardizedWeight
+
+#: the model options of Weight Standardization, each a flag of its own name (--ws-eps, ...)
+WS_KEYS = ("weight_standardization", *WS_OPTIONS)
+EMBEDDINGS = ["encoder.embed_tokens", "decoder.embed_tokens"]
+HEAD = ["decoder.output_projection"]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def call_standardized_projections(model: nn.Module) -> int:
+    """Make every fairseq attention with a standardised projection call its projections (the
+    module docstring says why). Returns how many."""
+    switched = 0
+    for module in model.modules():
+        if any(isinstance(getattr(module, name, None), StandardizedWeight) for name in PROJECTIONS):
+            module.skip_embed_dim_check = True
+            switched += 1
+    return switched
 
 
 def options_from_args(cfg) -> dict:
@@ -153,8 +179,8 @@ class UnnormTransformerModel(TransformerModel):
 
     loss_scaled = False  # built for --fp16/--amp training (build_model)
     record_gns = None  # --record-gns: the run directory plugins.fairseq.train records into
-    through_norms = False  # --sam true or --train-only other than all
-    trainer_applies = False  # set by plugins.fairseq.train, which applies --sam and --train-only
+    needs_trainer = False  # --sam true, --train-only other than all, or --agc
+    trainer_applies = False  # set by plugins.fairseq.train, which applies --sam, --train-only, --agc
 
     @classmethod
     def add_args(cls, parser):
@@ -181,6 +207,17 @@ class UnnormTransformerModel(TransformerModel):
         parser.add_argument("--train-only", choices=TRAIN_ONLY, default="all",
                             help="freeze every parameter but the norms' (norm+head: and the "
                                  "output projection's) at its initialisation (plugins.fairseq.train)")
+        parser.add_argument("--weight-standardization", nargs="+", default=None, metavar="PATTERN",
+                            help="standardise the weights of the nn.Linear layers these fnmatch "
+                                 "patterns name (plugins.model_options.standardize_layers)")
+        parser.add_argument("--ws-eps", type=float, default=None, help="Weight Standardization's eps")
+        parser.add_argument("--ws-eps-form", choices=[*EPS_FORMS, SCALED], default=None,
+                            help="where eps enters (unnorm.ws); scaled: NF-Nets' Scaled WS")
+        parser.add_argument("--ws-gamma", type=float, default=None,
+                            help="Scaled WS's gamma (unset: 1)")
+        parser.add_argument("--agc", type=float, default=None, metavar="LAMBDA",
+                            help="adaptive gradient clipping with this clipping factor (timm's "
+                                 "adaptive_clip_grad) in place of --clip-norm (plugins.fairseq.train)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -189,9 +226,15 @@ class UnnormTransformerModel(TransformerModel):
             if getattr(args, unsupported, False):
                 raise ValueError(f"unnorm_transformer does not support --{unsupported.replace('_', '-')}")
         model = super().build_model(args, task)
+        standardization = {key: getattr(args, key) for key in WS_KEYS
+                           if getattr(args, key, None) is not None}
+        if standardize_layers(model, standardization, embedding=EMBEDDINGS, head=HEAD):
+            call_standardized_projections(model)
         model.loss_scaled = bool(getattr(args, "fp16", False) or getattr(args, "amp", False))
         model.record_gns = getattr(args, "record_gns", None)
-        model.through_norms = bool(getattr(args, "sam", False)) or getattr(args, "train_only", "all") != "all"
+        model.needs_trainer = (bool(getattr(args, "sam", False))
+                               or getattr(args, "train_only", "all") != "all"
+                               or getattr(args, "agc", None) is not None)
         return model
 
     def forward(self, *args, **kwargs):
@@ -201,9 +244,9 @@ class UnnormTransformerModel(TransformerModel):
                 module._gns is not None for module in self.modules() if isinstance(module, unnorm.ChannelNorm)):
             raise RuntimeError("--record-gns: nothing records the norms' gradients; train with "
                                "`python -m plugins.fairseq.train` (fairseq-train's flags), which does")
-        if self.training and self.through_norms and not self.trainer_applies:
-            raise RuntimeError("--sam/--train-only: nothing applies them (fairseq-train would train "
-                               "every parameter with plain updates); train with `python -m "
+        if self.training and self.needs_trainer and not self.trainer_applies:
+            raise RuntimeError("--sam/--train-only/--agc: nothing applies them (fairseq-train would "
+                               "train every parameter with plain updates); train with `python -m "
                                "plugins.fairseq.train` (fairseq-train's flags), which does")
         return super().forward(*args, **kwargs)
 
