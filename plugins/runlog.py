@@ -47,6 +47,11 @@ RETIRED_KEYS = {"model.cpu", "recipe.cpu", "scale.data", "recipe.opt", "recipe.m
 #: (``ws=nf`` copies ``model.nf_targets`` into ``model.weight_standardization``): a config
 #: that lacks them continues such a run
 ADDED_KEYS = {"model.nf_targets", "model.nf_targets_of"}
+#: the weights a model is exactly scale-invariant in at a run's start (record_scale_invariance),
+#: found on the first PROBE_EXAMPLES training examples: enough for batch statistics, and the
+#: float64 copy's activations stay small
+SCALE_INVARIANCE_FILE = "scale_invariance.json"
+PROBE_EXAMPLES = 16
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
 

@@ -34,7 +34,8 @@ from plugins.loop import CHECKPOINT, EpochLoop, Losses
 from plugins.model_options import carry_standardization, standardized_in_run, standardized_layers
 from plugins.norms import fit_norm_to_run
 from plugins.precision import amp_context, check_amp
-from plugins.runlog import RunDirectory, RunFolderInUse, run_folder_lock
+from plugins.runlog import (PROBE_EXAMPLES, SCALE_INVARIANCE_FILE, RunDirectory, RunFolderInUse,
+                            run_folder_lock)
 from plugins.sam import freeze_except
 from plugins.scale import effective_config
 
@@ -197,10 +198,6 @@ def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] =
             if run.ema is not None else None,
             meta={**meta, **steps.meta, **invariance}, init=run.init, collate_fn=data.collate_fn,
             clip_grad=cfg.recipe.clip_grad, agc=cfg.recipe.get("agc"), accumulate=data.accumulate)
-
-
-SCALE_INVARIANCE_FILE = "scale_invariance.json"
-PROBE_EXAMPLES = 16  # enough for batch statistics; the float64 copy's activations stay small
 
 
 def invariance_at_start(task: Task, run: Run) -> dict:

@@ -17,6 +17,7 @@ a check cannot be made.
 import copy
 import json
 import sys
+import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from timm.utils.agc import adaptive_clip_grad
 import unnorm
 from plugins.fairseq.checkpoints import load
 from plugins.fairseq.train import GuardedTrainer, adaptive_clipping
+from plugins.runlog import SCALE_INVARIANCE_FILE
 from unnorm.ws import StandardizedWeight
 
 USER_DIR = str(Path(__file__).resolve().parents[1] / "plugins" / "fairseq" / "unnorm_fairseq")
@@ -430,7 +432,8 @@ def check_nf(data: str) -> dict:
     to torch), and, as the control, the model with that fast path allowed again (it reads the
     raw weights). AGC: the gradients fairseq's optimizer steps with, against timm's
     adaptive_clip_grad applied to the gradients fairseq's clipping received, over two updates
-    of GuardedTrainer; the control steps without --agc. And the refusals."""
+    of GuardedTrainer; the control steps without --agc. The scale-invariance record that
+    trainer writes before its first update. And the refusals."""
     model, net_input, _ = build(data, "nonorm", *NF_FLAGS)
     with torch.no_grad():  # gains away from 1, so a missed gain shows
         for name, parameter in model.named_parameters():
@@ -451,8 +454,10 @@ def check_nf(data: str) -> dict:
     for module in attentions:
         module.skip_embed_dim_check = False
     summary["fast_path_control"] = relative(out, model(**net_input)[0])
+    record_dir = tempfile.mkdtemp()
     for agc in ("0.01", None):
-        flags = ["--optimizer", "adam", "--lr", "1e-3", *(["--agc", agc] if agc else [])]
+        flags = ["--optimizer", "adam", "--lr", "1e-3",
+                 *(["--agc", agc, "--record-scale-invariance", record_dir] if agc else [])]
         cfg, task, batches = setup(data, "nonorm", *NF_FLAGS, *flags)
         torch.manual_seed(1)
         model = task.build_model(cfg.model)
@@ -490,6 +495,7 @@ def check_nf(data: str) -> dict:
         summary[f"agc={agc}"] = {"updates": trainer.get_num_updates(), "clipped": clipped,
                                  "tensors": len(pairs), "vs_timm": vs_timm,
                                  "grad_norm_vs_unclipped": norms}
+    summary["scale_invariant"] = json.loads((Path(record_dir) / SCALE_INVARIANCE_FILE).read_text())
     refusals = {}
     for name, flags in (("clip_norm", ["--agc", "0.01", "--clip-norm", "0.1"]),
                         ("fp16", ["--agc", "0.01", "--fp16"]), ("zero", ["--agc", "0"])):

@@ -400,6 +400,11 @@ def test_the_normalizer_free_baseline_in_fairseq(synthetic_data):
     assert max(clipped["grad_norm_vs_unclipped"]) < 1e-5
     control = summary["agc=None"]
     assert control["clipped"] == 0 and min(control["vs_timm"]) > 0.01
+    # the trainer's record at the start: each Scaled WS layer standardises its output units'
+    # weights, so scaling one unit's raw weights changes nothing (a closed form)
+    invariant = summary["scale_invariant"]
+    assert invariant["counts"]["row"] == summary["standardized"] and invariant["examples"] == 12
+    assert all(name.startswith(("encoder.layers.", "decoder.layers.")) for name in invariant["row"])
     refusals = summary["refusals"]
     assert "set --clip-norm 0" in refusals["clip_norm"]
     assert "train in float32" in refusals["fp16"] and "must be positive" in refusals["zero"]
@@ -408,13 +413,14 @@ def test_the_normalizer_free_baseline_in_fairseq(synthetic_data):
 @pytest.mark.slow
 def test_a_normalizer_free_translation_run(synthetic_data, tmp_path):
     """ws=nf with recipe.agc and norm=nonorm through the launcher, as scripts/train.py runs it:
-    fairseq trains it (a short run: that it runs, not what it learns)."""
+    fairseq trains it (a short run: that it runs, not what it learns), and result.json holds
+    the scale-invariance record."""
     overrides = ["scale=cpu", "device=cpu", "logger=none", "ws=nf", "recipe.agc=0.01",
-                 "recipe.train.max_update=20"]
+                 "recipe.train.max_update=84", "recipe.train.max_epoch=2", "recipe.average_last=2"]
     result = launcher.train(config("+exp=iwslt14_nonorm", *overrides), tmp_path / "run", overrides)
-    assert result["status"] in FINISHED and result["steps"] == 20, result
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert "--agc 0.01" in log or result["metrics"]["num_updates"] == 20
+    assert result["status"] in FINISHED and result["steps"] == 84, result  # 2 epochs of 42
+    assert "--agc 0.01" in (tmp_path / "run" / "train_command.txt").read_text()
+    assert result["scale_invariant"]["counts"]["row"] == 2 * 6 + 2 * 10  # as the check above
 
 
 def test_padding_is_excluded_from_every_norm(synthetic_data):

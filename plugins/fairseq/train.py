@@ -47,13 +47,23 @@ non-finite gradients. It is refused with ``--clip-norm`` (two clippings of one s
 ``--fp16``/``--amp`` (whose optimizers step a float32 copy, or unscale, after the point where this
 clips) and with ``--ddp-backend fully_sharded`` (whose flat shards have no output units).
 
+With ``--record-scale-invariance RUN_DIR`` (``record_scale_invariance=true``) rank 0 writes
+``RUN_DIR/scale_invariance.json`` before the run's first update: the weights the model is
+exactly scale-invariant in at its start, found as the other tasks' trainers find them
+(``plugins.training.invariance_at_start``: ``unnorm.scale_invariance`` on a float64 copy) on
+the first ``PROBE_EXAMPLES`` sentences of the first batch, the decoder's logits being what the
+criterion reads. A resumed run (updates taken) writes none, and one already there is kept.
+
 The trainer prints the perturbed set's size and share, and what it trains as one
 ``plugins.fairseq.flags.TRAINED`` line, which the launcher records in ``result.json``
 (``trainable_parameters``, ``sam_perturbed_parameters``).
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,7 +76,7 @@ from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.fairseq.flags import sam_entry, trained_line
-from plugins.runlog import RunDirectory, save_gns
+from plugins.runlog import PROBE_EXAMPLES, SCALE_INVARIANCE_FILE, RunDirectory, save_gns
 from plugins.sam import configured, freeze_except, trained_parameters
 
 FLUSH_EVERY = 100  # updates between moving the GNS records off the device
@@ -182,6 +192,7 @@ class GuardedTrainer(Trainer):
                             self.is_data_parallel_master) if run_dir else None
         self._updating = self._second_pass_due = False
         self.agc = adaptive_clipping(cfg)
+        self.invariance_dir = getattr(cfg.model, "record_scale_invariance", None)
         self.sam = self._train_through_the_norms(cfg, self.get_model())
 
     def _train_through_the_norms(self, cfg, model):
@@ -246,6 +257,8 @@ class GuardedTrainer(Trainer):
         by calling ``train_step`` again from within: the attempt in progress was skipped."""
         if self._updating:
             self._end_update(True)
+        if self.invariance_dir:
+            self._record_scale_invariance(samples)
         self.guard.begin_update(loss_scale(self.optimizer))
         if self.sam is not None:
             self.sam.new_update()
@@ -257,6 +270,32 @@ class GuardedTrainer(Trainer):
         finally:
             if self._updating:
                 self._end_update(self.get_num_updates() == updates)
+
+    def _record_scale_invariance(self, samples) -> None:
+        """``scale_invariance.json`` at the run's start (the module docstring); a dummy batch
+        (no sentences) waits for the next."""
+        sample = samples[0] if samples else None
+        if not sample or "net_input" not in sample:
+            return
+        run_dir, self.invariance_dir = Path(self.invariance_dir), None  # once per process
+        path = run_dir / SCALE_INVARIANCE_FILE
+        if path.exists() or self.get_num_updates() or not self.is_data_parallel_master:
+            return
+        model = self.get_model()
+        device = next(model.parameters()).device
+        net_input = {key: value[:PROBE_EXAMPLES].to(device)
+                     for key, value in sample["net_input"].items()}
+        started = time.time()
+        if any(p.requires_grad and p.ndim >= 2 for p in model.parameters()):
+            kinds = unnorm.scale_invariance(model, lambda copy: copy(**net_input)[0],
+                                            seed=self.cfg.common.seed)
+        else:  # --train-only norm: no matrix trains
+            kinds = {}
+        record = {**unnorm.invariance_record(kinds), "examples": len(net_input["src_tokens"]),
+                  "seconds": round(time.time() - started, 2)}
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(record, indent=2))
+        os.replace(temporary, path)
 
     def _end_update(self, skipped: bool) -> None:
         self.guard.end_update(skipped)

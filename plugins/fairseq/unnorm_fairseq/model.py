@@ -198,6 +198,10 @@ class UnnormTransformerModel(TransformerModel):
                        else "the norm's default")
             parser.add_argument(flag, type=kind, default=None, metavar=option.upper(),
                                 help=f"the norm's {option} (unset: {default})")
+        parser.add_argument("--record-scale-invariance", metavar="RUN_DIR", default=None,
+                            help="record the weights the model is exactly scale-invariant in at "
+                                 "its start into RUN_DIR/scale_invariance.json (training with "
+                                 "plugins.fairseq.train)")
         parser.add_argument("--sam", type=boolean, default=False, metavar="BOOL",
                             help="sharpness-aware updates (plugins.sam; training with "
                                  "plugins.fairseq.train, one micro-batch per update)")
