@@ -48,7 +48,7 @@ def test_a_spent_budget_cuts_the_step_in_flight_and_starts_no_other(tmp_path):
     assert done.returncode == 0, done.stderr
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
     assert [step["status"] for step in steps] == ["cut"] + ["not started"] * (len(STEPS) - 1)
-    assert steps[0]["seconds"] < 10  # stopped, not waited for
+    assert steps[0]["returncode"] is None  # killed by the budget, not waited for
     assert "== tests" in (tmp_path / "gpu_check.log").read_text()
 
 
