@@ -77,8 +77,9 @@ def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None
     ]
 
 
-def machine(torch) -> dict:
+def machine() -> dict:
     """The device, its driver, torch and CUDA: what every figure of the run depends on."""
+    import torch
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "driver": None}
@@ -132,7 +133,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "dry_run": args.dry_run, "budget_s": args.budget,
-               **{key: context()[key] for key in ("git_commit", "git_dirty")}, **machine(torch),
+               **{key: context()[key] for key in ("git_commit", "git_dirty")}, **machine(),
                "command": " ".join(["python", *sys.argv]), "steps": []}
     start = time.monotonic()
     with open(args.out_dir / LOG, "a") as log:

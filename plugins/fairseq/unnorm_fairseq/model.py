@@ -60,15 +60,12 @@ HEAD = ["decoder.output_projection"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-def call_standardized_projections(model: nn.Module) -> int:
+def call_standardized_projections(model: nn.Module) -> None:
     """Make every fairseq attention with a standardised projection call its projections (the
-    module docstring says why). Returns how many."""
-    switched = 0
+    module docstring says why)."""
     for module in model.modules():
         if any(isinstance(getattr(module, name, None), StandardizedWeight) for name in PROJECTIONS):
             module.skip_embed_dim_check = True
-            switched += 1
-    return switched
 
 
 def options_from_args(cfg) -> dict:
