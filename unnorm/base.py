@@ -106,14 +106,21 @@ class ChannelNorm(nn.Module):
         return {name: getattr(self, name) for name in self.affine_names
                 if isinstance(getattr(self, name, None), nn.Parameter)}
 
+    @property
+    def _tapped(self) -> bool:
+        """A statistics or gradient-noise-scale tap hooks z and the affine's output in this
+        call: the affine stays a separate step (``_affine``), not fused into a kernel."""
+        return self._recording or (self._gns is not None and self.training)
+
+    def _affine_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(weight, bias)`` in float32 (bias None without one)."""
+        return upcast(self.weight), None if self.bias is None else upcast(self.bias)
+
     def _affine(self, z: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """``weight * z + bias`` in float32 (z float32); ``weight * z`` without a bias."""
         z_value = z.detach()
         z = self._watch_grad(z, valid)
-        if self.bias is None:
-            out = z * upcast(self.weight)
-        else:
-            out = torch.addcmul(upcast(self.bias), z, upcast(self.weight))
+        out = affine(z, *self._affine_weights())
         return self._watch_affine(out, lambda: {"weight": z_value, "bias": None})
 
     def _watch_affine(self, out: torch.Tensor,
@@ -143,6 +150,11 @@ class ChannelNorm(nn.Module):
         z.register_hook(lambda g: tap.record_grad(unscaled(grad_channel_mean(g * z_value, valid),
                                                            scale)))
         return z
+
+
+def affine(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``weight * z + bias``; ``weight * z`` without a bias."""
+    return z * weight if bias is None else torch.addcmul(bias, z, weight)
 
 
 #: Every default momentum is 0.9-0.98; one below this more likely follows torch's convention.
@@ -618,15 +630,35 @@ def channel_sum(rows: torch.Tensor) -> torch.Tensor:
 def channel_sum_sq(rows: torch.Tensor, valid: Optional[torch.Tensor],
                    sync: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel sum of x^2 over the valid rows (of every replica with ``sync``) and their
-    count, in float32 (float64 for float64 rows)."""
+    count, in float32 (float64 for float64 rows).
+
+    Eager, unpadded and without a gradient, from torch's batch-norm statistics kernel,
+    ``N (var + mean^2)``: one read of the rows and no (N, C) tensor of squares, whose
+    allocation cost more than the arithmetic on a CPU; compiled, inductor fuses the plain form
+    into one loop."""
     rows = upcast(rows)
-    if valid is not None:
-        rows = zero_padding(rows, valid)
-    total = channel_sum(rows.square())
     count = row_count(rows, valid)
+    if (valid is None and rows.shape[0] > 0 and not builds_graph(rows)
+            and not torch.compiler.is_compiling()):
+        mean, var = torch.batch_norm_update_stats(rows, None, None, 0.0)
+        total = (var + mean.square()) * rows.shape[0]
+    else:
+        total = channel_sum((rows if valid is None else zero_padding(rows, valid)).square())
     if replicas_active(sync):
         total, count = sum_over_replicas(total, count)
     return total, count
+
+
+def channel_products(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(dy * x), sum(dy))`` per channel of ``(N, C)`` rows. Eager, torch's batch-norm
+    backward reductions (at mean 0 and scale 1) read both tensors once and allocate no
+    (N, C) product; compiled, inductor fuses the plain form."""
+    if torch.compiler.is_compiling() or x.shape[0] == 0:
+        return channel_sum(dy * x), channel_sum(dy)
+    zeros, ones = x.new_zeros(x.shape[1]), x.new_ones(x.shape[1])
+    _, product, total = torch.ops.aten.native_batch_norm_backward(
+        dy, x, None, None, None, zeros, ones, True, 0.0, [False, True, True])
+    return product, total
 
 
 def channel_mean_sq(rows: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:

@@ -11,9 +11,10 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .base import replicas_active, snapshot, upcast
+from .base import affine, replicas_active, snapshot, upcast
 from .sample import SampleStatistics, check_layout, resolve_groups
 from .simple import BatchNorm, batch_moments
 
@@ -68,16 +69,17 @@ class BatchChannelNorm(SampleStatistics, BatchNorm):
         return (f"{super().extra_repr()}, groups={self.groups}, group_eps={self.group_eps}, "
                 f"layout={self.layout}" + (", estimate" if self.estimate else ""))
 
-    def _batch_part(self, rows, valid):
+    def _batch_part(self, rows, valid, with_affine):
         if not self.estimate:
-            return super()._batch_part(rows, valid)
+            return super()._batch_part(rows, valid, with_affine)
         shift, mean, var, count = (stat.detach() for stat in batch_moments(
             rows, valid, replicas_active(self.sync_stats), self._positions))
         state = self._running_state(shift + mean, var, count)
         # the release normalises by the estimates just moved toward this batch, as constants
         scale = snapshot(torch.rsqrt(state["running_var"] + self.eps))
         shift = snapshot(-state["running_mean"] * scale)
-        return self._inference(rows, scale, shift), state, var, count
+        z = self._inference(rows, scale, shift)
+        return (affine(z, *self._affine_weights()) if with_affine else z), state, var, count
 
     def _running_update(self, old, mean, var, count):
         if not self.estimate:
@@ -89,7 +91,13 @@ class BatchChannelNorm(SampleStatistics, BatchNorm):
                 + (1 - alpha) * (var + (mean - old_mean).square())}
 
     def _then(self, out, valid):
-        """The channel part: each sample's groups standardised, then the per-group affine."""
+        """The channel part: each sample's groups standardised, then the per-group affine;
+        per token in channel order, torch's fused group norm over the ``(N, C)`` rows (each
+        row a sample with no positions), affine included."""
+        if self.layout == "token" and self._grouping is None:
+            weight, bias = (self._per_group(upcast(p), self.groups)
+                            for p in (self.group_weight, self.group_bias))
+            return F.group_norm(out, self.groups, weight, bias, self.group_eps)
         mean, var = self._sample_moments(out, self.groups, valid)
         normed = (out - mean) / torch.sqrt(var + self.group_eps)
         return torch.addcmul(self._per_group(upcast(self.group_bias), self.groups), normed,

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .base import ChannelNorm, channel_mean_sq, upcast
+from .base import ChannelNorm, affine, channel_mean_sq, channel_products, upcast
 
 
 class DynamicTanh(ChannelNorm):
@@ -31,7 +31,9 @@ class DynamicTanh(ChannelNorm):
     def _normalize(self, rows, valid):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
-        return self._affine(torch.tanh(upcast(self.alpha) * upcast(rows)), valid)
+        if self._tapped:  # the taps hook tanh's output and the affine's
+            return self._affine(torch.tanh(upcast(self.alpha) * upcast(rows)), valid)
+        return _DyTStep.apply(upcast(rows), upcast(self.alpha), *self._affine_weights())
 
     def fold_parts(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
         """``(scale, shift, core)``: the output is ``core(x) * scale + shift``, and the affine
@@ -49,3 +51,29 @@ class Tanh(nn.Module):
 
     def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         return torch.tanh(self.alpha.to(x.dtype) * x)
+
+
+class _DyTStep(torch.autograd.Function):
+    """``weight * tanh(alpha * x) + bias`` with one (N, C) allocation in the backward (issue 51).
+
+    Autograd's graph of the three ops allocated six (N, C) tensors per step. By hand, with
+    ``t = tanh(alpha x)`` and ``u = dy (1 - t^2)``: ``dweight = sum(dy t)``, ``dbias = sum(dy)``,
+    ``dalpha = sum_c weight_c sum(u x)`` (reductions that allocate no product) and
+    ``dx = u * weight * alpha``, in u's buffer. tanh itself is most of what is left
+    (docs/efficiency.md)."""
+
+    @staticmethod
+    def forward(ctx, rows, alpha, weight, bias):
+        t = torch.mul(rows, alpha).tanh_()
+        ctx.save_for_backward(rows, alpha, weight, t)
+        return affine(t, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, alpha, weight, t = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dweight, dbias = channel_products(dy, t)
+        u = torch.ops.aten.tanh_backward(dy, t)
+        dalpha = torch.dot(weight, channel_products(u, rows)[0]).reshape(1) if needs[1] else None
+        return (u.mul_(weight * alpha), dalpha, dweight if needs[2] else None,
+                dbias if needs[3] else None)

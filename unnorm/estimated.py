@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from .base import (StepCounted, builds_graph, call_id, channel_sum, channel_sum_sq,
+from .base import (StepCounted, builds_graph, call_id, channel_products, channel_sum,
+                   channel_sum_sq,
                    check_momentum, first_backward, per_channel, recomputing, replicas_active,
                    snapshot, statistic_ok, sum_over_replicas, unscaled, upcast, zero_padding)
 
@@ -114,6 +115,7 @@ class EstimatedNorm(StepCounted):
 
 def _forward_step(norm: EstimatedNorm, rows, weight, bias, valid):
     """The training forward: ``(output, plan, accepted, sum of squares)``, committing nothing."""
+    rows = upcast(rows)
     total, count = channel_sum_sq(rows, valid, norm.sync_stats)
     second_moment = total / count.clamp_min(1)
     accepted = statistic_ok(total, count)
@@ -130,7 +132,7 @@ def _forward_step(norm: EstimatedNorm, rows, weight, bias, valid):
     scale = upcast(weight) * plan.inv_std
     if norm.r_in_forward and plan.r is not None:
         scale = scale * plan.r
-    return torch.addcmul(upcast(bias), upcast(rows), per_channel(scale)), plan, accepted, total
+    return torch.addcmul(upcast(bias), rows, per_channel(scale)), plan, accepted, total
 
 
 class _EstimatedNormFunction(torch.autograd.Function):
@@ -168,10 +170,11 @@ class _EstimatedNormFunction(torch.autograd.Function):
             ctx.gns.record(dy, ctx.examples, [(factor, False) for factor, trained in
                                               zip(factors, ctx.needs_input_grad[1:3]) if trained],
                            plan.loss_scale)
-        dy_x = dy * x
-        sum_dy_z = channel_sum(dy_x) * inv_std                      # sum(dy * z)
+        sum_dy_x, sum_dy = channel_products(dy, x)
+        sum_dy_z = sum_dy_x * inv_std                               # sum(dy * z)
         over_valid = valid is not None and norm.grad_stat_over_valid
-        stat_dy_z = channel_sum(zero_padding(dy_x, valid)) * inv_std if over_valid else sum_dy_z
+        stat_dy_z = (channel_sum(zero_padding(dy * x, valid)) * inv_std if over_valid
+                     else sum_dy_z)
         positions = torch.ones(1, device=x.device).mul_(x.shape[0])
         sum_sq = total  # of the valid rows (every replica's with sync_stats)
         synced = replicas_active(norm.sync_stats)
@@ -193,11 +196,11 @@ class _EstimatedNormFunction(torch.autograd.Function):
             psi = ctx.estimate
         if plan.loss_scale is not None:
             psi = psi * plan.loss_scale  # back in the units of this step's (scaled) g
-        # dx = (g - z * psi) * inv_std_bwd
-        dx = (dy * per_channel(upcast(weight) * r * plan.inv_std_bwd)
-              - x * per_channel(inv_std * psi * plan.inv_std_bwd))
-        return (dx.to(rows.dtype), (sum_dy_z * r).to(weight.dtype),
-                channel_sum(dy).to(weight.dtype), None, None, None)
+        # dx = (g - z * psi) * inv_std_bwd, in one (N, C) buffer
+        dx = (dy * per_channel(upcast(weight) * r * plan.inv_std_bwd)).addcmul_(
+            x, per_channel(inv_std * psi * plan.inv_std_bwd), value=-1)
+        return (dx.to(rows.dtype), (sum_dy_z * r).to(weight.dtype), sum_dy.to(weight.dtype),
+                None, None, None)
 
 
 def _estimate_and_commit(ctx, plan: StepPlan, grad_stat, sum_sq, inv_std, positions, accepted,

@@ -10,6 +10,7 @@ import torch
 
 from .base import check_momentum, upcast
 from .estimated import EstimatedNorm, StepPlan
+from .simple import rms_normalize
 
 
 class PowerNorm(EstimatedNorm):
@@ -72,9 +73,8 @@ class PowerNorm(EstimatedNorm):
 
     def _group_scale(self, rows: torch.Tensor) -> torch.Tensor:
         """Divide each channel group of each position by its root mean square."""
-        grouped = upcast(rows).reshape(rows.shape[0], self.group_num, self.num_features // self.group_num)
-        scaled = grouped * torch.rsqrt(grouped.square().mean(dim=-1, keepdim=True) + self.eps)
-        return scaled.reshape(rows.shape)
+        grouped = upcast(rows).reshape(-1, self.num_features // self.group_num)
+        return rms_normalize(grouped, self.eps).reshape(rows.shape)
 
     def _plan_step(self, s, t):
         eps, alpha, phi = self.eps, self.momentum, self.running_phi

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (StepCounted, check_momentum, commit_call, replicas_active, snapshot,
-                   upcast)
+from .base import (StepCounted, channel_products, check_momentum, commit_call,
+                   replicas_active, row_count, snapshot, upcast)
 from .estimated import step_count
-from .simple import CausalStatistics, batch_standardize
+from .simple import CausalStatistics, batch_standardize, native_moments
 
 
 class ProgressiveRepBN(CausalStatistics, StepCounted):
@@ -99,6 +99,14 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         if not self.training:
             return self._evaluate(rows, valid, self._eval_buffers())
         step = snapshot(self.num_iters + 1)  # the backward's share is this call's
+        if self._fused_call(rows, valid):
+            out, mean, inv_std = _HandOverStep.apply(
+                rows, *self._affine_weights(), upcast(self.bn_weight), upcast(self.bn_bias),
+                upcast(self.alpha), self.layer_norm_share(step), self.eps)
+            mean, var = native_moments(mean, inv_std, self.eps)
+            count = row_count(rows, valid)
+            return commit_call(out, self, valid, self._bn_state(step, mean, var, count),
+                               self._batch_ok(var, count))
         start = self._start(rows)
         z, mean, var, count = batch_standardize(rows, valid, self.eps,
                                                 replicas_active(self.sync_stats),
@@ -115,10 +123,22 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
         out = self._watch_affine(out, lambda: {
             "weight": share * self._start(plain, affine=False), "bias": share,
             "bn_weight": (1 - share) * z_value, "bn_bias": 1 - share})
+        return commit_call(out, self, valid, self._bn_state(step, mean, var, count),
+                           self._batch_ok(var, count))
+
+    def _bn_state(self, step, mean, var, count) -> dict[str, torch.Tensor]:
+        """The candidate running statistics: the batch's once the warm-up is over."""
         bn_on = step > self.warmup_iters
-        state = {name: torch.where(bn_on, value, getattr(self, name))
-                 for name, value in self._running_state(mean, var, count).items()}
-        return commit_call(out, self, valid, state, self._batch_ok(var, count))
+        return {name: torch.where(bn_on, value, getattr(self, name))
+                for name, value in self._running_state(mean, var, count).items()}
+
+    def _fused_call(self, rows, valid) -> bool:
+        """Whether this training call runs as ``_HandOverStep``: LN start, no padding, no
+        replicas, no positions, no tap, and a non-empty batch (torch's batch-norm kernel
+        refuses an empty one; the general path lets the guard reject it)."""
+        return (self.start_norm == "ln" and valid is None and self._positions is None
+                and not replicas_active(self.sync_stats) and not self._tapped
+                and rows.shape[0] > 0)
 
     def _start(self, rows: torch.Tensor, affine: bool = True) -> torch.Tensor:
         """The norm training starts from, on float32 rows, with its affine (``affine=False``:
@@ -129,3 +149,45 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
             return F.layer_norm(rows, (self.num_features,), weight, bias, self.eps)
         normed = F.rms_norm(rows, (self.num_features,), weight, self.eps)
         return normed if bias is None else normed + bias
+
+
+class _HandOverStep(torch.autograd.Function):
+    """A training call of PRepBN from a LayerNorm, ``lam (w LN(x) + b) + (1 - lam) (bw BN(x) +
+    bb + alpha x)``, as torch's two fused kernels with the shares folded into their affines
+    (issue 51): two (N, C) allocations each way, where autograd's graph of the mixture
+    allocated about fifteen. In warm-up lam is 1 and the BatchNorm enters with weight 0: the
+    output is the LayerNorm's wherever the batch's statistics are finite (where they are not,
+    the guard rejects the call). Returns the output and the batch's mean and 1/std."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, bn_weight, bn_bias, alpha, share, eps):
+        keep = 1 - share
+        ln_affine = (weight * share, None if bias is None else bias * share)
+        bn_affine = (bn_weight * keep, bn_bias * keep)
+        out, ln_mean, ln_rstd = torch.native_layer_norm(rows, [rows.shape[-1]], *ln_affine, eps)
+        bn_out, mean, inv_std = torch.native_batch_norm(rows, *bn_affine, None, None, True, 0.0,
+                                                        eps)
+        out = out.add_(bn_out).addcmul_(rows, alpha * keep)
+        ctx.eps = eps
+        ctx.save_for_backward(rows, share, alpha, ln_mean, ln_rstd, mean, inv_std, *ln_affine,
+                              bn_affine[0])
+        ctx.mark_non_differentiable(mean, inv_std)
+        return out, mean, inv_std
+
+    @staticmethod
+    def backward(ctx, dy, _mean, _inv_std):
+        rows, share, alpha, ln_mean, ln_rstd, mean, inv_std, ln_weight, ln_bias, bn_weight = \
+            ctx.saved_tensors
+        keep = 1 - share
+        needs = ctx.needs_input_grad
+        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            dy, rows, [rows.shape[-1]], ln_mean, ln_rstd, ln_weight, ln_bias,
+            [True, needs[1], needs[2]])
+        bn_dx, dbn_weight, dbn_bias = torch.ops.aten.native_batch_norm_backward(
+            dy, rows, bn_weight, None, None, mean, inv_std, True, ctx.eps,
+            [True, needs[3], needs[4]])
+        dx = dx.add_(bn_dx).addcmul_(dy, alpha * keep)
+        dalpha = (channel_products(dy, rows)[0].sum() * keep).reshape(1) if needs[5] else None
+        scaled = [None if grad is None else grad * factor for grad, factor in
+                  ((dweight, share), (dbias, share), (dbn_weight, keep), (dbn_bias, keep))]
+        return (dx, *scaled, dalpha, None, None)

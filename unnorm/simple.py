@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_call,
+from .base import (ChannelNorm, GuardedNorm, affine, channel_mean_sq, check_momentum, commit_call,
                    replicas_active, row_count, statistic_ok, sum_over_replicas, upcast,
                    zero_padding)
 
@@ -39,8 +39,54 @@ class RMSNorm(ChannelNorm):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
-        return self._affine(rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + self.eps),
-                            valid)
+        if self._recording or self._gns is not None:  # the taps hook z and the affine
+            return self._affine(rows * _inv_rms(rows, self.eps), valid)
+        return rms_normalize(rows, self.eps, *self._affine_weights())
+
+
+def _inv_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` per row, ``(N, 1)``; the row norm's kernel allocates no
+    (N, C) tensor of squares."""
+    norms = torch.linalg.vector_norm(rows, dim=-1, keepdim=True)
+    return torch.rsqrt(norms.square() / rows.shape[-1] + eps)
+
+
+def rms_normalize(rows: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight + bias`` over the last axis of ``(N, C)`` rows (no
+    weight: no affine), differentiable at two (N, C) allocations per step (``_RMSNormStep``)."""
+    return _RMSNormStep.apply(rows, weight, bias, eps)
+
+
+class _RMSNormStep(torch.autograd.Function):
+    """RMSNorm with LayerNorm's fused backward (issue 51).
+
+    torch has no CPU kernel for RMSNorm's backward, and autograd's graph of the composite
+    allocated five (N, C) tensors per step, 7x LayerNorm's time. RMSNorm's backward is
+    LayerNorm's at a mean of 0, less LayerNorm's ``- rstd * mean(dy * weight)`` term:
+    ``native_layer_norm_backward`` with ``mean = 0`` gives dweight and dbias exactly and dx up
+    to that term, added back from one row reduction. Two (N, C) allocations, as LayerNorm's
+    own step."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, eps):
+        inv = _inv_rms(rows, eps)
+        ctx.save_for_backward(rows, weight, bias, inv)
+        out = rows * inv
+        if weight is not None:
+            out = out.mul_(weight)
+        return out if bias is None else out.add_(bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, bias, inv = ctx.saved_tensors
+        channels = rows.shape[-1]
+        needs = ctx.needs_input_grad
+        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            dy, rows, [channels], torch.zeros_like(inv), inv, weight, bias,
+            [True, weight is not None and needs[1], bias is not None and needs[2]])
+        mean_g = dy.mean(-1) if weight is None else torch.mv(dy, weight).div_(channels)
+        return dx.addcmul_(inv, mean_g.unsqueeze(-1)), dweight, dbias, None
 
 
 class NoNorm(ChannelNorm):
@@ -208,19 +254,22 @@ class BatchNorm(CausalStatistics, GuardedNorm):
         rows = upcast(rows)
         if not self.training:
             return self._evaluate(rows, valid, self._eval_buffers())
-        z, state, var, count = self._batch_part(rows, valid)
+        fused = not self._tapped
+        out, state, var, count = self._batch_part(rows, valid, fused)
         if self._recording:
             self._tap.record_act(self._whole_batch(var))
-        return commit_call(self._then(self._affine(z, valid), valid), self, valid, state,
-                           self._batch_ok(var, count))
+        if not fused:
+            out = self._affine(out, valid)
+        return commit_call(self._then(out, valid), self, valid, state, self._batch_ok(var, count))
 
-    def _batch_part(self, rows, valid):
-        """``(z, state, var, count)``: the rows standardised by the batch's statistics, the
+    def _batch_part(self, rows, valid, with_affine: bool):
+        """``(y, state, var, count)``: the rows standardised by the batch's statistics (then
+        the affine ``with_affine``: in the same kernel where torch's fused one runs), the
         candidate running state, and the batch's variance and row count."""
-        z, mean, var, count = batch_standardize(rows, valid, self.eps,
-                                                replicas_active(self.sync_stats),
-                                                self._positions)
-        return z, self._running_state(mean, var, count), var, count
+        y, mean, var, count = batch_standardize(
+            rows, valid, self.eps, replicas_active(self.sync_stats), self._positions,
+            *(self._affine_weights() if with_affine else ()))
+        return y, self._running_state(mean, var, count), var, count
 
     def _then(self, out: torch.Tensor, valid) -> torch.Tensor:
         """What follows the batch normalization and its affine: nothing (BCN: its channel
@@ -250,12 +299,15 @@ def running_statistics(alpha: float, running_mean: torch.Tensor, running_var: to
 
 
 def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: float,
-                      sync: bool = False, positions: Optional[int] = None):
+                      sync: bool = False, positions: Optional[int] = None,
+                      weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
     """``(z, mean, var, count)``: rows standardised by the mean and biased variance of their
-    valid rows (over every replica with ``sync``), differentiably (``batch_moments``).
+    valid rows (over every replica with ``sync``), differentiably (``batch_moments``), then
+    ``weight * z + bias`` where a ``weight`` is given.
 
-    Without padding, replicas or positions this is torch's fused batch-norm kernel (which
-    refuses an empty batch: that one takes the general path, and the caller rejects it).
+    Without padding, replicas or positions this is torch's fused batch-norm kernel, the affine
+    included (it refuses an empty batch: that one takes the general path, and the caller
+    rejects it).
     Padded rows are standardised too, but add no gradient to the statistics. With
     ``positions`` (T), the rows are batch-first sequences of T positions, each position t
     standardised by the statistics of the positions ``<= t``, and ``mean``, ``var`` and
@@ -263,8 +315,8 @@ def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: fl
     per-position running statistics.
     """
     if valid is None and not sync and positions is None and rows.shape[0] > 0:
-        z, mean, inv_std = torch.native_batch_norm(rows, None, None, None, None, True, 0.0, eps)
-        return z, mean.detach(), (inv_std.detach().square().reciprocal() - eps), row_count(rows, valid)
+        y, mean, inv_std = torch.native_batch_norm(rows, weight, bias, None, None, True, 0.0, eps)
+        return y, *native_moments(mean, inv_std, eps), row_count(rows, valid)
     shift, mean, var, count = batch_moments(rows, valid, sync, positions)
     shape = rows.shape if positions is None else (-1, positions, rows.shape[1])
     data = rows.reshape(shape)
@@ -274,7 +326,15 @@ def batch_standardize(rows: torch.Tensor, valid: Optional[torch.Tensor], eps: fl
     if valid is not None:  # padded rows are standardised, but add no gradient to statistics
         keep = valid.reshape(*data.shape[:-1], 1)
         z = torch.where(keep, z, (data - shift - mean.detach()) * inv_std.detach())
-    return z.reshape(rows.shape), (shift + mean).detach(), var.detach(), count.detach()
+    z = z.reshape(rows.shape)
+    if weight is not None:
+        z = affine(z, weight, bias)
+    return z, (shift + mean).detach(), var.detach(), count.detach()
+
+
+def native_moments(mean: torch.Tensor, inv_std: torch.Tensor, eps: float):
+    """``(mean, biased var)``, detached, from torch's batch-norm kernel's mean and 1/std."""
+    return mean.detach(), inv_std.detach().square().reciprocal() - eps
 
 
 def batch_moments(rows: torch.Tensor, valid: Optional[torch.Tensor], sync: bool = False,
