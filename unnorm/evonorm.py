@@ -25,8 +25,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .base import (ChannelNorm, GuardedNorm, channel_mean_sq, check_momentum, commit_call,
-                   replicas_active, upcast)
+from .base import (ChannelNorm, GuardedNorm, affine, builds_graph, channel_mean_sq,
+                   channel_products, channel_sum, check_momentum, commit_call, replicas_active,
+                   row_count, upcast)
 from .sample import SampleStatistics, check_layout, resolve_groups
 from .simple import CausalStatistics, batch_moments
 
@@ -78,6 +79,10 @@ class EvoNormS0(FusedActivation, SampleStatistics, ChannelNorm):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
+        if self.apply_act and self.layout == "token" and self._grouping is None \
+                and not self._tapped:
+            return _S0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.groups,
+                                 self.eps)
         if self.apply_act:
             _, var = self._sample_moments(rows, self.groups, valid)
             rows = rows * torch.sigmoid(upcast(self.v) * rows) / torch.sqrt(var + self.eps)
@@ -141,6 +146,11 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
             return commit_call(out, self, valid, {}, accepted) if self.training else out
         if not self.training:
             return self._evaluate(rows, valid, self._eval_buffers())
+        if self._fused_call(rows, valid):
+            out, var = _B0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.eps)
+            count = row_count(rows, valid)
+            return commit_call(out, self, valid, self._running_state(None, var, count),
+                               self._batch_ok(var, count))
         _, _, var, count = batch_moments(rows, valid, replicas_active(self.sync_stats),
                                          self._positions)
         batch_var = self._per_row(var, rows)
@@ -152,7 +162,19 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
         return commit_call(self._divide(rows, valid, batch_var), self, valid,
                            self._running_state(None, var, count), self._batch_ok(var, count))
 
+    def _fused_call(self, rows, valid) -> bool:
+        """Whether this training call runs as ``_B0Step``: per token, no padding, replicas,
+        positions or tap, and a non-empty batch (the general path lets the guard reject it)."""
+        return (self.layout == "token" and valid is None and self._positions is None
+                and not replicas_active(self.sync_stats) and not self._tapped
+                and rows.shape[0] > 0)
+
     def _evaluate(self, rows, valid, statistics):
+        if (self.layout == "token" and self._positions is None
+                and not builds_graph(rows, *self.parameters())):  # the hand-written forward
+            batch_std = torch.sqrt(statistics["running_var"] + self.eps)
+            return affine(_b0_divide(rows, upcast(self.v), batch_std, self.eps)[0],
+                          *self._affine_weights())
         return self._divide(rows, valid, self._per_row(statistics["running_var"], rows))
 
     def _divide(self, rows, valid, batch_var):
@@ -161,3 +183,98 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
         left = torch.sqrt(batch_var + self.eps)
         right = upcast(self.v) * rows + torch.sqrt(instance_var + self.eps)
         return self._affine(rows / torch.maximum(left, right), valid)
+
+
+class _S0Step(torch.autograd.Function):
+    """EvoNorm-S0 per token, ``x sigmoid(v x) / sqrt(group_var(x) + eps) * weight + bias``, with
+    its backward by hand (issue 51): two (N, C) allocations forward and three backward, where
+    autograd's graph of the composite allocated about twenty. With ``s = sigmoid(v x)``,
+    ``h = x s``, ``r`` each group's ``1 / sqrt(var + eps)`` and ``q = h r``: ``dweight =
+    sum(dy q)``, ``dbias = sum(dy)``; ``dh = dy weight r``; through r, ``dL/dr = sum over the
+    group of dy weight h`` and ``dx += -dL/dr r^3 (x - mean) / group size``; through h,
+    ``dx += dh (s + v x s (1 - s))`` and ``dv = sum(dh x^2 s (1 - s))``."""
+
+    @staticmethod
+    def forward(ctx, rows, v, weight, bias, groups, eps):
+        grouped = rows.reshape(rows.shape[0], groups, -1)
+        var, mean = torch.var_mean(grouped, dim=-1, keepdim=True, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        s = torch.mul(rows, v).sigmoid_()
+        out = rows * s
+        out.view(grouped.shape).mul_(rstd)
+        ctx.groups = groups
+        ctx.save_for_backward(rows, v, weight, s, mean, rstd)
+        out = out.mul_(weight)
+        return out if bias is None else out.add_(bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, v, weight, s, mean, rstd = ctx.saved_tensors
+        shape = (rows.shape[0], ctx.groups, rows.shape[1] // ctx.groups)
+        q = rows * s
+        q.view(shape).mul_(rstd)
+        dweight, dbias = channel_products(dy, q)
+        dh = dy * weight  # dL/dq, then dL/dh
+        by_r = q.mul_(dh).view(shape).sum(dim=-1, keepdim=True) / rstd  # dL/dr per group
+        dh.view(shape).mul_(rstd)
+        through_s = torch.sub(1, s).mul_(s).mul_(rows).mul_(dh)  # dh x s (1 - s)
+        dv = channel_products(through_s, rows)[0]
+        dx = dh.mul_(s).addcmul_(through_s, v)
+        centred = torch.sub(rows.view(shape), mean, out=q.view(shape))
+        dx.view(shape).addcmul_(centred, by_r * rstd.pow(3) / -shape[-1])
+        needs = ctx.needs_input_grad
+        return (dx, dv, dweight if needs[2] else None, dbias if needs[3] else None, None,
+                None)
+
+
+def _b0_divide(rows, v, batch_std, eps):
+    """``(x / max(batch_std, v x + instance_std(x)), divisor, instance mean and std)`` per
+    token, in two (N, C) allocations."""
+    instance_var, instance_mean = torch.var_mean(rows, dim=-1, keepdim=True, correction=0)
+    instance_std = torch.sqrt(instance_var + eps)
+    divisor = torch.addcmul(instance_std, rows, v)
+    divisor = torch.maximum(divisor, batch_std, out=divisor)
+    return rows / divisor, divisor, instance_mean, instance_std
+
+
+class _B0Step(torch.autograd.Function):
+    """A training call of EvoNorm-B0 per token, ``x / max(L, R) * weight + bias`` with ``L =
+    sqrt(batch_var + eps)`` per channel and ``R = v x + sqrt(instance_var + eps)``, with its
+    backward by hand (issue 51), as torch's ``maximum`` (a tie sends half the gradient each
+    way). With ``d = max(L, R)`` and ``dd = -dy weight x / d^2``: ``dweight = sum(dy x / d)``,
+    ``dbias = sum(dy)``; ``dx = dy weight / d``, plus through R ``dR v`` (``dv = sum(dR x)``)
+    and the instance variance ``sum_c dR / (C instance_std) (x - instance_mean)``, plus
+    through L the batch variance ``sum_n dL / (N L) (x - batch_mean)``. Returns the output and
+    the batch variance (for the running one)."""
+
+    @staticmethod
+    def forward(ctx, rows, v, weight, bias, eps):
+        batch_mean, batch_var = torch.batch_norm_update_stats(rows, None, None, 0.0)
+        batch_std = torch.sqrt(batch_var + eps)
+        normed, divisor, instance_mean, instance_std = _b0_divide(rows, v, batch_std, eps)
+        ctx.save_for_backward(rows, v, weight, divisor, batch_mean, batch_std, instance_mean,
+                              instance_std)
+        ctx.mark_non_differentiable(batch_var)
+        return affine(normed, weight, bias), batch_var
+
+    @staticmethod
+    def backward(ctx, dy, _var):
+        rows, v, weight, divisor, batch_mean, batch_std, instance_mean, instance_std = \
+            ctx.saved_tensors
+        normed = rows / divisor
+        dweight, dbias = channel_products(dy, normed)
+        dd = normed.mul_(dy).mul_(weight).div_(divisor).neg_()
+        right = torch.addcmul(instance_std, rows, v)
+        tie = right == batch_std
+        dd = torch.where(tie, dd * 0.5, dd)
+        d_right = dd.masked_fill(right < batch_std, 0)
+        d_batch_std = channel_sum(dd.masked_fill_(right > batch_std, 0))
+        dv = channel_products(d_right, rows)[0]
+        d_instance_std = d_right.sum(dim=-1, keepdim=True)
+        dx = torch.mul(dy, weight, out=right).div_(divisor).addcmul_(d_right, v)
+        centred = torch.sub(rows, instance_mean, out=d_right)
+        dx = dx.addcmul_(centred, d_instance_std / (instance_std * rows.shape[1]))
+        centred = torch.sub(rows, batch_mean, out=centred)
+        dx = dx.addcmul_(centred, d_batch_std / (batch_std * rows.shape[0]))
+        needs = ctx.needs_input_grad
+        return (dx, dv, dweight if needs[2] else None, dbias if needs[3] else None, None)

@@ -39,7 +39,7 @@ class RMSNorm(ChannelNorm):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
-        if self._recording or self._gns is not None:  # the taps hook z and the affine
+        if self._tapped:  # the taps hook z and the affine's output
             return self._affine(rows * _inv_rms(rows, self.eps), valid)
         return rms_normalize(rows, self.eps, *self._affine_weights())
 
