@@ -152,8 +152,13 @@ class ChannelNorm(nn.Module):
         return z
 
 
-def affine(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``weight * z + bias``; ``weight * z`` without a bias."""
+def affine(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           inplace: bool = False) -> torch.Tensor:
+    """``weight * z + bias``; ``weight * z`` without a bias. ``inplace`` writes into z (a new
+    tensor of the caller's that nothing else reads): no (N, C) allocation."""
+    if inplace:
+        z = z.mul_(weight)
+        return z if bias is None else z.add_(bias)
     return z * weight if bias is None else torch.addcmul(bias, z, weight)
 
 

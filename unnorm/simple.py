@@ -73,9 +73,7 @@ class _RMSNormStep(torch.autograd.Function):
         inv = _inv_rms(rows, eps)
         ctx.save_for_backward(rows, weight, bias, inv)
         out = rows * inv
-        if weight is not None:
-            out = out.mul_(weight)
-        return out if bias is None else out.add_(bias)
+        return out if weight is None else affine(out, weight, bias, inplace=True)
 
     @staticmethod
     def backward(ctx, dy):
