@@ -35,6 +35,7 @@ FUSED = {
                                                        "bias": False}],
     "evonorm_s0": [{"groups": 3}, {"groups": 1}],
     "evonorm_b0": [{}, {"unbiased_running_var": True}],
+    "scalenorm": [{}, {"eps": 5.0}],  # eps 5: some rows' norms are clamped
 }
 CASES = [(name, options) for name, option_sets in FUSED.items() for options in option_sets]
 

@@ -28,5 +28,32 @@ class ScaleNorm(ChannelNorm):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
+        if not self._tapped:
+            return _ScaleNormStep.apply(rows, upcast(self.weight), self.eps)
         norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True).clamp_min(self.eps)
         return self._affine(rows / norm, valid)
+
+
+class _ScaleNormStep(torch.autograd.Function):
+    """``g x / max(||x||, eps)`` with its backward by hand (issue 51): one (N, C) allocation
+    each way, where autograd's graph of the norm, the division and the gain allocated six.
+    With ``P = sum(dy x)`` per row, ``dg = sum(P / norm)`` and ``dx = g dy / norm - g P x /
+    (norm^2 ||x||)``, the second term only where the clamp passes the gradient (``||x|| >=
+    eps``, as ``clamp_min``'s)."""
+
+    @staticmethod
+    def forward(ctx, rows, gain, eps):
+        length = torch.linalg.vector_norm(rows, dim=-1, keepdim=True)
+        norm = length.clamp_min(eps)
+        ctx.eps = eps
+        ctx.save_for_backward(rows, gain, length, norm)
+        return rows * (gain / norm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, gain, length, norm = ctx.saved_tensors
+        along = torch.linalg.vecdot(dy, rows).unsqueeze(-1)  # P
+        dgain = (along / norm).sum().reshape(1) if ctx.needs_input_grad[1] else None
+        through_norm = torch.where(length >= ctx.eps, -gain * along / (norm.square() * length),
+                                   torch.zeros_like(length))
+        return (dy * (gain / norm)).addcmul_(rows, through_norm), dgain, None
