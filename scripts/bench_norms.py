@@ -15,9 +15,10 @@ conversion leaves: with ``rms`` among the norms, the conversion's three norms si
 Each row carries issue 51's target, as a ratio to the fastest LN: a training step at most 3x
 eager and 2x compiled, RMSNorm's eager step 1.5x, the offline norms' inference 1.5x. A norm
 whose algorithm holds more arithmetic than a LayerNorm's (``ARITHMETIC``: DyT's tanh,
-EvoNorm-S0's sigmoid, both norms of PRepBN's hand-over, BCN's two) is also measured as that
-arithmetic alone in torch's own ops (eager), and its eager target is 1.5x that cost where
-that is the larger. ``met`` is "yes" where the ratio's whole interval is at or below the
+EvoNorm-S0's sigmoid, both norms of PRepBN's hand-over) is also measured as that arithmetic
+alone in torch's own ops (eager), and its eager target is 1.5x that cost where that is the
+larger; BCN is measured beside torch's BatchNorm and GroupNorm (``REFERENCES``), for
+information only. ``met`` is "yes" where the ratio's whole interval is at or below the
 target, "no" where it is above, "unresolved" where the interval holds the target.
 
     python scripts/bench_norms.py                         # both shapes, every norm
