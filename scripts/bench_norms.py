@@ -15,7 +15,8 @@ conversion leaves: with ``rms`` among the norms, the conversion's three norms si
 Each row carries issue 51's target, as a ratio to the fastest LN: a training step at most 3x
 eager and 2x compiled, RMSNorm's eager step 1.5x, the offline norms' inference 1.5x. A norm
 whose algorithm holds more arithmetic than a LayerNorm's (``ARITHMETIC``: DyT's tanh,
-EvoNorm-S0's sigmoid, both norms of PRepBN's hand-over) is also measured as that arithmetic
+EvoNorm-S0's sigmoid, both norms of PRepBN's hand-over, EvoNorm-B0's token and batch
+statistics) is also measured as that arithmetic
 alone in torch's own ops (eager), and its eager target is 1.5x that cost where that is the
 larger; BCN is measured beside torch's BatchNorm and GroupNorm (``REFERENCES``), for
 information only. ``met`` is "yes" where the ratio's whole interval is at or below the
@@ -73,7 +74,8 @@ TRAIN_TARGET = {"eager": 3.0, "compiled": 2.0}
 RMS_EAGER_TARGET = 1.5
 OFFLINE_INFERENCE_TARGET = 1.5
 #: a norm whose arithmetic exceeds LayerNorm's -> torch's own ops computing that arithmetic
-ARITHMETIC = {"dyt": "torch_tanh", "evonorm_s0": "torch_silu", "prepbn": "torch_ln_bn"}
+ARITHMETIC = {"dyt": "torch_tanh", "evonorm_s0": "torch_silu", "prepbn": "torch_ln_bn",
+              "evonorm_b0": "torch_ln_bn"}
 ARITHMETIC_FACTOR = 1.5
 #: measured beside a norm, for information: torch's own kernels for what the norm computes
 #: (BCN: torch's CPU GroupNorm over groups of a dozen channels is itself many times a
@@ -85,7 +87,8 @@ class TorchArithmetic(torch.nn.Module):
     """torch's own ops on channels-last input, with an affine per channel: what a norm's
     arithmetic costs with no code of ours. ``torch_tanh``: DyT's ``tanh`` alone;
     ``torch_silu``: EvoNorm-S0's ``x sigmoid(x)`` alone; ``torch_ln_bn``: a LayerNorm and a
-    BatchNorm of the same input, summed (PRepBN in its hand-over); ``torch_bn_gn``: a
+    BatchNorm of the same input, summed (PRepBN in its hand-over; EvoNorm-B0's per-token
+    and per-channel statistics, before its max and division); ``torch_bn_gn``: a
     BatchNorm, then a GroupNorm of 32 groups per token (BCN)."""
 
     def __init__(self, kind: str, channels: int, device):

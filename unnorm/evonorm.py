@@ -237,9 +237,15 @@ def _b0_divide(rows, v, batch_std, eps):
     _, instance_mean, instance_rstd = torch.native_layer_norm(rows, [rows.shape[-1]], None, None,
                                                               eps)
     instance_std = instance_rstd.reciprocal()
-    divisor = torch.addcmul(instance_std, rows, v)
+    divisor = _b0_right(rows, v, instance_std)
     divisor = torch.maximum(divisor, batch_std, out=divisor)
     return rows / divisor, divisor, instance_mean, instance_std
+
+
+def _b0_right(rows, v, instance_std):
+    """``v x + instance_std``, the right side of B0's max (a product, then the per-token term
+    in place: addcmul broadcasting the (N, 1) term ran 3x slower on CPU)."""
+    return (rows * v).add_(instance_std)
 
 
 class _B0Step(torch.autograd.Function):
@@ -266,16 +272,17 @@ class _B0Step(torch.autograd.Function):
     def backward(ctx, dy, _var):
         rows, v, weight, divisor, batch_mean, batch_std, instance_mean, instance_std = \
             ctx.saved_tensors
-        normed = rows / divisor
+        inverse = divisor.reciprocal()
+        normed = rows * inverse
         dweight, dbias = channel_products(dy, normed)
-        dd = normed.mul_(dy).mul_(weight).div_(divisor).neg_()
+        dd = normed.mul_(dy).mul_(weight).mul_(inverse).neg_()
         # R's share of dd: 1 where R is the larger, 0 where L is, 1/2 at a tie: (sign + 1) / 2
-        d_right = torch.addcmul(instance_std, rows, v).sub_(batch_std).sign_().add_(1).mul_(0.5)
+        d_right = _b0_right(rows, v, instance_std).sub_(batch_std).sign_().add_(1).mul_(0.5)
         d_right = d_right.mul_(dd)
         d_batch_std = channel_sum(dd.sub_(d_right))
         dv = channel_products(d_right, rows)[0]
         d_instance_std = d_right.sum(dim=-1, keepdim=True)
-        dx = torch.mul(dy, weight, out=dd).div_(divisor).addcmul_(d_right, v)
+        dx = torch.mul(dy, weight, out=dd).mul_(inverse).addcmul_(d_right, v)
         centred = torch.sub(rows, instance_mean, out=d_right)
         dx = dx.addcmul_(centred, d_instance_std / (instance_std * rows.shape[1]))
         centred = torch.sub(rows, batch_mean, out=centred)
