@@ -95,6 +95,20 @@ def test_the_fused_path_equals_the_general_path(name, options):
         assert_same(fused(x), general(x), "evaluation")
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_rms_on_torchs_fused_kernel_equals_our_step(bias, monkeypatch):
+    """On CUDA RMSNorm runs torch's ``F.rms_norm`` (fused there); the same call on the CPU
+    (autograd's composite) gives what ``_RMSNormStep`` gives."""
+    ours = randomized(unnorm.build_norm("rms", C, bias=bias).to(D))
+    theirs = copy.deepcopy(ours)
+    x, dy = inputs(0)
+    want = train_step(ours, x, dy, False)
+    monkeypatch.setattr(unnorm.simple, "FUSED_RMS_DEVICES", ("cpu",))
+    for what, got, expected in zip(["output", "dx", "weight", "bias"],
+                                   train_step(theirs, x, dy, False), want):
+        assert_same(got, expected, what)
+
+
 def test_evonorm_b0_splits_the_gradient_of_a_tie_as_torch_maximum():
     """Rows (a, -a) and (-a, a) alternate: each token's instance std equals each channel's batch
     std exactly, and with v = 0 every element is a tie of B0's max, whose gradient torch
