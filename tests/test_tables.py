@@ -747,3 +747,42 @@ def test_slurm_launcher_config_renders_an_sbatch_script(tmp_path, monkeypatch):
     for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
                  "#SBATCH --cpus-per-task=10", "#SBATCH --time=4320", "#SBATCH --nodes=1"):
         assert line in script, line
+
+
+def test_norm_speed_tables_show_each_ratio_against_its_target(tmp_path):
+    """A per-layer record with targets prints each ratio with its interval, target and
+    verdict; a record from before the targets is left out; a per-model training record prints
+    each norm's step over LN's per model."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    ratio = lambda median, lo, hi: {"median": median, "lo": lo, "hi": hi}  # noqa: E731
+    layer = [{"shape": [2, 3], "norm": name, "mode": "eager", "kind": kind, "vs_fastest_ln": r,
+              "target": target, "met": met} for name, kind, r, target, met in (
+        ("un", "train", ratio(1.8, 1.7, 1.9), 3.0, "yes"),
+        ("un", "infer", ratio(0.9, 0.8, 1.6), 1.5, "unresolved"),
+        ("torch_ln", "train", ratio(1, 1, 1), None, None),
+        ("torch_ln", "infer", ratio(1, 1, 1), None, None))]
+    (bench / "norms_cpu.json").write_text(json.dumps({"device": "cpu", "rounds": 5, "results": layer}))
+    old = [{**row, "shape": [4, 4]} for row in layer]
+    for row in old:
+        del row["target"], row["met"]
+    (bench / "norms_old.json").write_text(json.dumps({"device": "gpu", "rounds": 5, "results": old}))
+    steps = [{"model": model, "norm": norm, "mode": "eager", "vs_ln": r} for model, norm, r in (
+        ("swin_t", "ln", ratio(1, 1, 1)), ("swin_t", "un", ratio(1.04, 1.01, 1.08)),
+        ("llama_71m", "ln", ratio(1, 1, 1)))]
+    (bench / "training_cpu.json").write_text(json.dumps({
+        "device": "cpu", "rounds": 5, "train_batch": 2, "img_size": 224, "lm_context": 128,
+        "training": steps}))
+    (tmp_path / "none").mkdir()
+    proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(tmp_path / "none"),
+                           "--out", str(tmp_path / "out"), "--benchmarks", str(bench)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    markdown = (tmp_path / "out" / "tables.md").read_text()
+    title = "Norm speed per layer: over the fastest LayerNorm (cpu, float32, norms_cpu.json)"
+    assert table_row(markdown, title, "2x3")[1:] == [
+        "un", "eager", "1.80 [1.70, 1.90]; target 3.00: yes",
+        "0.90 [0.80, 1.60]; target 1.50: unresolved"]
+    assert "norms_old.json" not in markdown
+    title = "Norm speed per model: a training step over LN's (cpu, eager, training_cpu.json)"
+    assert table_row(markdown, title, "UN")[1:] == ["1.04 [1.01, 1.08]", "—"]
