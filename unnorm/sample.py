@@ -96,6 +96,20 @@ def sample_moments(rows: torch.Tensor, groups: int, valid: Optional[torch.Tensor
     return mean, var
 
 
+def group_deviations(rows: torch.Tensor, groups: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(deviations, mean, rstd)`` of each row's ``groups`` channel groups: ``(N, G, C/G)``
+    deviations from the group's mean, and its mean and ``1 / sqrt(biased var + eps)``,
+    ``(N, G, 1)``; not differentiable (for hand-written backwards). Two passes, the mean,
+    then the norm of the deviations: ``var_mean``'s CPU kernel ran 30x slower on groups of a
+    dozen channels, and torch's GroupNorm kernel 8x, over rows without positions."""
+    grouped = rows.reshape(rows.shape[0], groups, -1)
+    mean = grouped.mean(dim=-1, keepdim=True)
+    deviations = grouped - mean
+    norms = torch.linalg.vector_norm(deviations, dim=-1, keepdim=True)
+    return deviations, mean, torch.rsqrt(norms.square() / grouped.shape[-1] + eps)
+
+
 class SampleStatistics:
     """The ``layout`` option of a norm with statistics within a sample (see the module): the
     number of examples of the input being normalised, when layout is "image"; and the order
