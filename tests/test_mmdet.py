@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import socket
@@ -35,7 +36,7 @@ from plugins.mmdet.runner import (CONFIGS, UnnormRunHook, UnnormRunner, amp_opti
                                   guard_loss_scaler, mmdet_config, our_metrics,
                                   plain_logged_values, rebuild_logged_values, steps_per_epoch,
                                   train)
-from plugins.runlog import FINISHED
+from plugins.runlog import FINISHED, SCALE_INVARIANCE_FILE
 from plugins.scale import effective_config
 from plugins.timm import model_from_config
 from test_vision import config
@@ -314,6 +315,54 @@ def test_taps_and_compile_are_refused_before_anything_runs(option, tmp_path):
     with pytest.raises(ValueError, match="drop it for the mmdet backend"):
         train(config(*detection(tmp_path, "mask_rcnn_swin_t_un", f"{option}=true")), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_records_scale_invariance_and_each_epochs_updates(tmp_path, monkeypatch):
+    """record_scale_invariance and record_updates (on by default) on Mask R-CNN with LN and
+    AdamP, Weight Standardization on one block's qkv and on the box head's first shared layer.
+    result.json names those two row-invariant, mmdet's relative position tables "zero" (its
+    Swin leaves them at zeros from scratch) and every other matrix "none". Two epochs of one
+    update, validated after the second: metrics.jsonl has a row per epoch (the first the
+    updates' record alone, the second with the AP), whose effective steps are each
+    parameter's ||w_after - w_before|| / ||w_before|| from the weights at the start and in
+    each epoch's checkpoint (mmengine's param-wise rules make a param group of each trainable
+    parameter, in the model's order; none for a weight that was zeros), and AdamP projected."""
+    standardized = ["backbone.stages.0.blocks.0.attn.w_msa.qkv", "roi_head.bbox_head.shared_fcs.0"]
+    begun = {}
+    before_train = UnnormRunHook.before_train
+
+    def keep_start(hook, runner):
+        before_train(hook, runner)
+        begun.update({k: v.detach().clone() for k, v in runner.model.named_parameters()})
+
+    monkeypatch.setattr(UnnormRunHook, "before_train", keep_start)
+    run = tmp_path / "run"
+    result = train(config(*detection(tmp_path, "mask_rcnn_swin_t_ln", "optimizer=adamp",
+                                     f"model.weight_standardization=[{','.join(standardized)}]",
+                                     "scale.max_steps_per_epoch=1", epochs=2)), run)
+    assert result["status"] in FINISHED and result["steps"] == 2
+    record = result["scale_invariant"]
+    tables = sorted(name for name in begun if name.endswith("relative_position_bias_table"))
+    assert tables and all(not begun[name].any() for name in tables)
+    assert record["row"] == sorted(f"{name}.weight" for name in standardized)
+    assert record["zero"] == tables
+    assert record["counts"] == {"row": 2, "tensor": 0, "inert": 0, "zero": len(tables),
+                                "none": sum(p.ndim >= 2 for p in begun.values()) - 2 - len(tables)}
+    assert json.loads((run / SCALE_INVARIANCE_FILE).read_text()) == record
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["epoch"], "bbox_AP" in row) for row in rows] == [(1, False), (2, True)]
+    weights = [begun] + [load_checkpoint(run / f"epoch_{epoch}.pth")["state_dict"]
+                         for epoch in (1, 2)]
+    for row, before, after in zip(rows, weights, weights[1:]):
+        steps = [(after[name].double() - before[name].double()).norm()
+                 / before[name].double().norm() for name in begun]
+        assert [group["parameters"] for group in row["param_groups"]] == \
+            [value.numel() for value in begun.values()]
+        # the record's norms are float32 sums (torch._foreach_norm) of up to 2.6e5 squares:
+        # 5e-5 of them seen here
+        assert row["effective_step"] == [None if not math.isfinite(step) else pytest.approx(
+            float(step), rel=2e-4) for step in steps]
+        assert row["projection"]["tensors"] >= 2 and row["projection"]["channels"] > 0
 
 
 def test_max_steps_per_epoch_caps_every_epoch_at_fresh_batches(tmp_path):
