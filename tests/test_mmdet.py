@@ -24,6 +24,7 @@ from mmengine.optim import build_optim_wrapper
 from mmdet.registry import MODELS
 from mmdet.utils import register_all_modules
 from omegaconf import OmegaConf
+from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
@@ -255,6 +256,29 @@ def test_the_optimizer_is_the_one_torchvision_builds_with_its_options(tmp_path):
                 == {k: v for k, v in reference.defaults.items() if k not in scheduled})
         recipe = cfg.recipe
         assert optimizer.defaults["lr"] == recipe.lr * recipe.batch_size / recipe.lr_batch
+
+
+@pytest.mark.parametrize("agc", [0.01, None])
+def test_adaptive_clipping_clips_the_gradients_the_optimizer_steps(agc, tmp_path):
+    """recipe.agc=0.01 (the detection recipes clip nothing else): a step of the optim wrapper
+    the runner builds clips every gradient as timm's adaptive_clip_grad does at that factor;
+    without it (the control) no gradient changes."""
+    cfg = _settings_config(tmp_path, f"recipe.agc={agc or 'null'}")
+    runner = UnnormRunner.from_cfg(mmdet_config(cfg, tmp_path / "run", Distributed("cpu")))
+    wrapper = runner.build_optim_wrapper(runner.optim_wrapper)
+    params = [p for p in runner.model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(0)
+    expected = []
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+        expected.append(torch.nn.Parameter(param.detach().clone()))
+        expected[-1].grad = param.grad.clone()
+    if agc:
+        drawn = [reference.grad.clone() for reference in expected]
+        adaptive_clip_grad(expected, agc)
+        assert sum(not torch.equal(e.grad, d) for e, d in zip(expected, drawn)) > len(params) / 2
+    wrapper.step()
+    assert all(torch.equal(param.grad, reference.grad) for param, reference in zip(params, expected))
 
 
 def test_amp_is_autocast_on_cuda_only_with_a_scaler_the_norms_do_not_see(monkeypatch):

@@ -173,17 +173,6 @@ class UnnormRunner(Runner):
 
     sam: SharpnessAware | None = None
 
-    def build_optim_wrapper(self, optim_wrapper):
-        """mmengine's optim wrapper, clipping adaptively for ``recipe.agc`` (``cfg.agc``):
-        timm's ``adaptive_clip_grad`` as its clipping function, which it runs where it would
-        clip by the norm (after an AmpOptimWrapper's unscale); its config names norm or value
-        clipping only."""
-        wrapper = super().build_optim_wrapper(optim_wrapper)
-        if self.cfg.get("agc"):
-            wrapper.clip_func, wrapper.clip_grad_kwargs = adaptive_clip_grad, {
-                "clip_factor": self.cfg.agc}
-        return wrapper
-
     def wrap_model(self, model_wrapper_cfg, model):
         if model_wrapper_cfg is not None:
             raise ValueError("model_wrapper_cfg: the mmdet backend wraps the model itself (DDP "
@@ -205,7 +194,10 @@ class UnnormRunner(Runner):
 
     def build_optim_wrapper(self, optim_wrapper):
         """mmengine's, with its per-parameter warnings for frozen parameters made one line,
-        and SAM with gradient accumulation refused."""
+        SAM with gradient accumulation refused, and clipping adaptively for ``recipe.agc``
+        (``cfg.agc``): timm's ``adaptive_clip_grad`` as its clipping function, which it runs
+        where it would clip by the norm (after an AmpOptimWrapper's unscale); its config names
+        norm or value clipping only."""
         skipped = _FrozenSkipped()
         logger = MMLogger.get_current_instance()
         logger.addFilter(skipped)
@@ -223,6 +215,9 @@ class UnnormRunner(Runner):
                              "update's gradient before its second pass. Set accumulative_counts=1 "
                              "in the mmdet config's optim_wrapper (one batch per update), or "
                              "sam=none")
+        if self.cfg.get("agc"):
+            built.clip_func, built.clip_grad_kwargs = adaptive_clip_grad, {
+                "clip_factor": self.cfg.agc}
         return built
 
     def load_checkpoint(self, filename, map_location="cpu", strict=False,
