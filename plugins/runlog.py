@@ -20,7 +20,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import yaml
@@ -52,6 +52,9 @@ ADDED_KEYS = {"model.nf_targets", "model.nf_targets_of"}
 #: float64 copy's activations stay small
 SCALE_INVARIANCE_FILE = "scale_invariance.json"
 PROBE_EXAMPLES = 16
+#: a detector's: its norms pool every position of an image, so two images give them thousands,
+#: where 16 whole images through the detector cost a probe about 20 s at scale=cpu (3 s for two)
+DETECTION_PROBE_EXAMPLES = 2
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
 
@@ -393,6 +396,34 @@ def save_gns(run: RunDirectory, epoch: int, chunks: list[dict], batch: dict) -> 
         (run.path / "gns").mkdir(exist_ok=True)
         save_atomic({"layers": merge_records(chunks, unnorm.gns.cat_padded), **batch},
                     run.path / "gns" / f"epoch_{epoch + 1:04d}.pt")
+
+
+def write_scale_invariance(run_dir: Path, model: torch.nn.Module,
+                           outputs: Callable[[torch.nn.Module], Any], *, examples: int,
+                           seed: int) -> dict:
+    """``{"scale_invariant": record}`` (``record_scale_invariance=true``): the weights ``model``
+    is exactly scale-invariant in (``unnorm.scale_invariance`` of ``outputs``, what the loss
+    reads of a float64 copy on ``examples`` training examples), with ``examples`` and
+    ``seconds``, kept in ``run_dir``'s ``scale_invariance.json`` for a resume to read
+    (``recorded_scale_invariance``). Every task's trainer calls it once, on rank 0, before the
+    first update; with no trainable matrix (``train_only=norm``) it records none."""
+    started = time.time()
+    kinds = (unnorm.scale_invariance(model, outputs, seed=seed)
+             if any(p.requires_grad and p.ndim >= 2 for p in model.parameters()) else {})
+    record = {**unnorm.invariance_record(kinds), "examples": examples,
+              "seconds": round(time.time() - started, 2)}
+    path = Path(run_dir) / SCALE_INVARIANCE_FILE
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=2))
+    os.replace(temporary, path)
+    return {"scale_invariant": record}
+
+
+def recorded_scale_invariance(run_dir: Path) -> dict:
+    """``{"scale_invariant": record}`` as ``write_scale_invariance`` kept it in ``run_dir``;
+    empty where the run has none."""
+    path = Path(run_dir) / SCALE_INVARIANCE_FILE
+    return {"scale_invariant": json.loads(path.read_text())} if path.exists() else {}
 
 
 def run_meta(cfg: DictConfig, task: str, world_size: int, run_dir: Path, **extra) -> dict:

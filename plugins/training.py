@@ -11,10 +11,7 @@ Import direction (``tests/test_layout.py``): this module builds on ``plugins.loo
 """
 from __future__ import annotations
 
-import json
-import os
 import random
-import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +31,8 @@ from plugins.loop import CHECKPOINT, EpochLoop, Losses
 from plugins.model_options import carry_standardization, standardized_in_run, standardized_layers
 from plugins.norms import fit_norm_to_run
 from plugins.precision import amp_context, check_amp
-from plugins.runlog import (PROBE_EXAMPLES, SCALE_INVARIANCE_FILE, RunDirectory, RunFolderInUse,
-                            run_folder_lock)
+from plugins.runlog import (PROBE_EXAMPLES, RunDirectory, RunFolderInUse,
+                            recorded_scale_invariance, run_folder_lock, write_scale_invariance)
 from plugins.sam import freeze_except
 from plugins.scale import effective_config
 
@@ -127,7 +124,8 @@ class Task:
     model); ``activation_checkpointing(model)``, turns it on for
     ``distributed.activation_checkpointing=true`` (a task without it refuses that option);
     ``probe(model, batch)``, the outputs the loss reads of a float64 copy of the model on a
-    collated training batch, for ``record_scale_invariance`` (a task without it records none).
+    collated training batch of the first ``probe_examples`` training examples, for
+    ``record_scale_invariance`` (a task without it records none).
     """
     ranges: Mapping[str, str]
     data: Callable[[DictConfig, Distributed], Plan]
@@ -144,6 +142,7 @@ class Task:
     tapped: Callable[[nn.Module], nn.Module] = lambda model: model
     activation_checkpointing: Optional[Callable[[nn.Module], None]] = None
     probe: Optional[Callable[[nn.Module, object], object]] = None
+    probe_examples: int = PROBE_EXAMPLES
 
 
 def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict:
@@ -202,34 +201,23 @@ def train(task: Task, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] =
 
 def invariance_at_start(task: Task, run: Run) -> dict:
     """``{"scale_invariant": ...}`` for ``result.json`` (``record_scale_invariance=true``):
-    the weights the model is exactly scale-invariant in at the run's start
-    (``unnorm.scale_invariance`` on the first ``PROBE_EXAMPLES`` training examples, with
-    ``examples`` and ``seconds``), found once by rank 0 and kept in the run folder's
-    ``scale_invariance.json``, which a resume reads. A resume of a run that has no such file
-    records none: its weights are no longer the start's. The run's RNGs are left as they were."""
+    the weights the model is exactly scale-invariant in at the run's start, found once by rank
+    0 on the first ``task.probe_examples`` training examples and kept in the run folder
+    (``plugins.runlog.write_scale_invariance``), which a resume reads. A resume of a run that
+    has no such record records none: its weights are no longer the start's. The run's RNGs
+    are left as they were."""
     cfg, world, data = run.cfg, run.world, run.data
-    path = run.out_dir / SCALE_INVARIANCE_FILE
     if not cfg.get("record_scale_invariance") or task.probe is None:
         return {}
-    if path.exists():
-        return {"scale_invariant": json.loads(path.read_text())}
-    if (run.out_dir / CHECKPOINT).exists() or not world.main:
-        return {}
-    if not any(p.requires_grad and p.ndim >= 2 for p in run.model.parameters()):
-        return {"scale_invariant": unnorm.invariance_record({})}  # train_only: no matrix trains
-    count = min(len(data.train_set), PROBE_EXAMPLES)  # whatever the micro-batch: one record
-    started_at = time.time()
+    recorded = recorded_scale_invariance(run.out_dir)
+    if recorded or (run.out_dir / CHECKPOINT).exists() or not world.main:
+        return recorded
+    count = min(len(data.train_set), task.probe_examples)  # whatever the micro-batch: one record
     with rngs_kept(world.device):
         collate = data.collate_fn or torch.utils.data.default_collate
         batch = collate([data.train_set[index] for index in range(count)])
-        kinds = unnorm.scale_invariance(run.model, lambda model: task.probe(model, batch),
-                                        seed=cfg.seed)
-    record = {**unnorm.invariance_record(kinds), "examples": count,
-              "seconds": round(time.time() - started_at, 2)}
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=2))
-    os.replace(temporary, path)
-    return {"scale_invariant": record}
+        return write_scale_invariance(run.out_dir, run.model, lambda model: task.probe(model, batch),
+                                      examples=count, seed=cfg.seed)
 
 
 @contextmanager

@@ -10,6 +10,7 @@ of fairseq's environment (the main one cannot import fairseq):
     .venv-fairseq/bin/python tests/fairseq_checks.py norm-state CHECKPOINT
     .venv-fairseq/bin/python tests/fairseq_checks.py gns DATA_BIN RUN_DIR
     .venv-fairseq/bin/python tests/fairseq_checks.py nf DATA_BIN
+    .venv-fairseq/bin/python tests/fairseq_checks.py updates DATA_BIN
 
 Each prints a JSON summary (the tests assert on it) and exits non-zero, with the reason, when
 a check cannot be made.
@@ -24,12 +25,14 @@ from pathlib import Path
 import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.logging import metrics
 
 from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.fairseq.checkpoints import load
-from plugins.fairseq.train import GuardedTrainer, adaptive_clipping
+from plugins.fairseq.flags import UPDATES
+from plugins.fairseq.train import GuardedTrainer, adaptive_clipping, recording_updates
 from plugins.runlog import SCALE_INVARIANCE_FILE
 from unnorm.ws import StandardizedWeight
 
@@ -508,10 +511,47 @@ def check_nf(data: str) -> dict:
     return summary
 
 
+def check_updates(data: str) -> dict:
+    """``--record-updates`` in GuardedTrainer, as fairseq-train runs an epoch (inside its
+    ``train`` aggregator): two updates of the tiny model whose stacks' layers all have Scaled
+    WS (row-invariant weights), by the release's AdamP and by fairseq's adam. Reports the
+    epoch's ``updates`` statistic and each update's effective step computed here from copies
+    of the trainable weights before and after it; and the refusal under fully_sharded."""
+    summary = {}
+    for optimizer in (("adamp", "--delta", "0.1", "--wd-ratio", "0.1"), ("adam",)):
+        metrics.reset()  # as fairseq-train's main does: one trainer's aggregators
+        cfg, task, batches = setup(data, "nonorm", *NF_FLAGS, "--lr", "1e-3", "--record-updates",
+                                   "--optimizer", *optimizer)
+        torch.manual_seed(1)
+        trainer = GuardedTrainer(cfg, task, task.build_model(cfg.model),
+                                 task.build_criterion(cfg.criterion))
+        weights = [p for p in trainer.get_model().parameters() if p.requires_grad]
+        steps = []
+        with metrics.aggregate("train"):
+            trainer.begin_epoch(1)
+            for batch in batches[:2]:
+                before = [w.detach().double().clone() for w in weights]
+                trainer.train_step([batch])
+                moved = torch.stack([(w.detach().double() - b).norm() for w, b in zip(weights, before)])
+                steps.append((moved.norm() / torch.stack([b.norm() for b in before]).norm()).item())
+            record = metrics.get_smoothed_values("train")[UPDATES]
+        summary[optimizer[0]] = {"record": record, "steps": steps,
+                                 "updates": trainer.get_num_updates(),
+                                 "parameters": sum(w.numel() for w in weights)}
+    try:
+        recording_updates(setup(data, "nonorm", "--record-updates", "--ddp-backend",
+                                "fully_sharded")[0])
+        summary["fully_sharded"] = None
+    except ValueError as refusal:
+        summary["fully_sharded"] = str(refusal)
+    return summary
+
+
 CHECKS = {"nf": check_nf, "padding": check_padding, "same-weights": check_same_weights,
           "precision": check_precision,
           "groups": check_groups, "sepnorm": check_sepnorm, "skipped-update": check_skipped_update,
-          "loss-scale": check_loss_scale, "norm-state": check_norm_state, "gns": check_gns}
+          "loss-scale": check_loss_scale, "norm-state": check_norm_state, "gns": check_gns,
+          "updates": check_updates}
 
 if __name__ == "__main__":
     check, *paths = sys.argv[1:]

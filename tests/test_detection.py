@@ -17,7 +17,7 @@ import plugins.torchvision.trainer as trainer
 import unnorm
 from plugins.checkpoints import load_checkpoint
 from plugins.distributed import Distributed
-from plugins.runlog import FINISHED
+from plugins.runlog import DETECTION_PROBE_EXAMPLES, FINISHED, SCALE_INVARIANCE_FILE
 from plugins.scale import effective_config
 from plugins.torchvision.coco import CocoInstances, coco_evaluate, to_coco_results
 from plugins.torchvision.detectors import build_detector, detector_fold_plan, fold_detector
@@ -306,6 +306,30 @@ def test_norm_statistics_are_recorded_per_step(tmp_path):
     stats = load_checkpoint(tmp_path / "run" / "stats" / "epoch_0001.pt")
     assert "body.layers.0.blocks.0.norm1" in stats and "out_norms.3" in stats
     assert all(next(iter(values.values())).shape[0] == 2 for values in stats.values())  # 2 steps
+
+
+def test_scale_invariance_is_recorded_from_the_training_losses(tmp_path):
+    """record_scale_invariance (on by default) on Faster R-CNN with LN, whose pre-norm blocks
+    leave no weight invariant, and Weight Standardization on one block's qkv and on the box
+    head's fc6: result.json names those two row-invariant (a standardised layer undoes each
+    output row's scale) and every other matrix of the backbone, FPN and heads, plain linear
+    layers and convolutions, "none". The probe reads the training losses: the head's fc6 is
+    tested too, where the backbone's features would leave it inert. The record is the run
+    folder's scale_invariance.json, found on two images."""
+    standardized = ["backbone.body.layers.0.blocks.0.attn.qkv", "roi_heads.box_head.fc6"]
+    overrides = ["+exp=faster_rcnn_swin_t_ln", *QUICK, *_data(tmp_path),
+                 f"model.weight_standardization=[{','.join(standardized)}]"]
+    result = train(config(*overrides), tmp_path / "run")
+    record = result["scale_invariant"]
+    cfg = effective_config(config(*overrides))
+    train_set, _ = build_datasets(cfg.data, masks=False)
+    matrices = [p for p in build_detector(cfg.model, cfg.norm, train_set.num_classes).parameters()
+                if p.ndim >= 2]
+    assert record["row"] == sorted(f"{name}.weight" for name in standardized)
+    assert record["counts"] == {"row": 2, "tensor": 0, "none": len(matrices) - 2, "inert": 0,
+                                "zero": 0}
+    assert record["examples"] == DETECTION_PROBE_EXAMPLES == 2
+    assert json.loads((tmp_path / "run" / SCALE_INVARIANCE_FILE).read_text()) == record
 
 
 def test_collapse_is_recorded_as_fail_with_its_step(tmp_path):

@@ -414,6 +414,47 @@ def test_the_normalizer_free_baseline_in_fairseq(synthetic_data):
     assert "train in float32" in refusals["fp16"] and "must be positive" in refusals["zero"]
 
 
+def test_the_trainer_records_each_epochs_updates(synthetic_data):
+    """--record-updates (record_updates=true) in plugins.fairseq.train, two updates of the
+    tiny model with Scaled WS on every stack layer: the epoch's record in fairseq's train
+    statistics holds the mean over its updates of ||w_after - w_before|| / ||w_before||, each
+    computed from copies of every trainable weight around the update (fairseq's one param
+    group); the release's AdamP projects, at least the 32 standardised (row-invariant) layers
+    per update, fairseq's adam never; refused, naming the fix, with fully sharded weights."""
+    summary = fairseq_python("tests/fairseq_checks.py", "updates", str(synthetic_data))
+    for name in ("adamp", "adam"):
+        trained = summary[name]
+        record = trained["record"]
+        assert trained["updates"] == 2 and record["param_groups"] == [
+            {"weight_decay": 0.0, "parameters": trained["parameters"]}]
+        # the record's norms are float32 sums of each tensor's squares: 2e-6 of them seen here
+        assert record["effective_step"] == [pytest.approx(sum(trained["steps"]) / 2, rel=2e-5)]
+    projected = summary["adamp"]["record"]["projection"]
+    assert projected["tensors"] >= 2 * 6 + 2 * 10 and projected["channels"] > 0
+    assert summary["adam"]["record"]["projection"] == {"tensors": 0, "channel_view": 0,
+                                                       "tensor_view": 0, "channels": 0}
+    assert "drop --record-updates (record_updates=false)" in summary["fully_sharded"]
+
+
+def test_each_epoch_row_of_a_translation_run_holds_its_updates(learned):
+    """record_updates=true (the default) through the launcher: fairseq's log carries each
+    epoch's record, which becomes that epoch's ``kind: train`` row of metrics.jsonl, with one
+    param group of every trainable parameter (as the trainer reports it), a step of a
+    fraction of the weights, and no projection (fairseq's adam); the validation rows have none."""
+    result = learned["un"]
+    run = Path(result["run_dir"])
+    assert "--record-updates" in (run / "train_command.txt").read_text().split()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [row for row in rows if row["kind"] == "train"]
+    assert len(epochs) == result["metrics"]["epoch"] >= 2
+    for row in epochs:
+        assert row["param_groups"] == [{"weight_decay": pytest.approx(1e-4),
+                                        "parameters": result["trainable_parameters"]}]
+        assert 0 < row["effective_step"][0] < 0.1 and len(row["effective_step"]) == 1
+        assert set(row["projection"].values()) == {0}
+    assert all("effective_step" not in row for row in rows if row["kind"] == "valid")
+
+
 @pytest.mark.slow
 def test_a_normalizer_free_translation_run(synthetic_data, tmp_path):
     """ws=nf with recipe.agc and norm=nonorm through the launcher, as scripts/train.py runs it:

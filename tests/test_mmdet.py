@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import socket
@@ -23,6 +24,7 @@ from mmengine.optim import build_optim_wrapper
 from mmdet.registry import MODELS
 from mmdet.utils import register_all_modules
 from omegaconf import OmegaConf
+from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.checkpoints import UnsafeCheckpoint, load_checkpoint
@@ -35,7 +37,7 @@ from plugins.mmdet.runner import (CONFIGS, UnnormRunHook, UnnormRunner, amp_opti
                                   guard_loss_scaler, mmdet_config, our_metrics,
                                   plain_logged_values, rebuild_logged_values, steps_per_epoch,
                                   train)
-from plugins.runlog import FINISHED
+from plugins.runlog import FINISHED, SCALE_INVARIANCE_FILE
 from plugins.scale import effective_config
 from plugins.timm import model_from_config
 from test_vision import config
@@ -256,6 +258,29 @@ def test_the_optimizer_is_the_one_torchvision_builds_with_its_options(tmp_path):
         assert optimizer.defaults["lr"] == recipe.lr * recipe.batch_size / recipe.lr_batch
 
 
+@pytest.mark.parametrize("agc", [0.01, None])
+def test_adaptive_clipping_clips_the_gradients_the_optimizer_steps(agc, tmp_path):
+    """recipe.agc=0.01 (the detection recipes clip nothing else): a step of the optim wrapper
+    the runner builds clips every gradient as timm's adaptive_clip_grad does at that factor;
+    without it (the control) no gradient changes."""
+    cfg = _settings_config(tmp_path, f"recipe.agc={agc or 'null'}")
+    runner = UnnormRunner.from_cfg(mmdet_config(cfg, tmp_path / "run", Distributed("cpu")))
+    wrapper = runner.build_optim_wrapper(runner.optim_wrapper)
+    params = [p for p in runner.model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(0)
+    expected = []
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+        expected.append(torch.nn.Parameter(param.detach().clone()))
+        expected[-1].grad = param.grad.clone()
+    if agc:
+        drawn = [reference.grad.clone() for reference in expected]
+        adaptive_clip_grad(expected, agc)
+        assert sum(not torch.equal(e.grad, d) for e, d in zip(expected, drawn)) > len(params) / 2
+    wrapper.step()
+    assert all(torch.equal(param.grad, reference.grad) for param, reference in zip(params, expected))
+
+
 def test_amp_is_autocast_on_cuda_only_with_a_scaler_the_norms_do_not_see(monkeypatch):
     """As plugins.precision.amp_context: float32 on the CPU under amp=auto (the default) and
     autocast there refused (mmengine's is GPU-only), bf16 on a GPU that has it, else fp16
@@ -314,6 +339,54 @@ def test_taps_and_compile_are_refused_before_anything_runs(option, tmp_path):
     with pytest.raises(ValueError, match="drop it for the mmdet backend"):
         train(config(*detection(tmp_path, "mask_rcnn_swin_t_un", f"{option}=true")), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_records_scale_invariance_and_each_epochs_updates(tmp_path, monkeypatch):
+    """record_scale_invariance and record_updates (on by default) on Mask R-CNN with LN and
+    AdamP, Weight Standardization on one block's qkv and on the box head's first shared layer.
+    result.json names those two row-invariant, mmdet's relative position tables "zero" (its
+    Swin leaves them at zeros from scratch) and every other matrix "none". Two epochs of one
+    update, validated after the second: metrics.jsonl has a row per epoch (the first the
+    updates' record alone, the second with the AP), whose effective steps are each
+    parameter's ||w_after - w_before|| / ||w_before|| from the weights at the start and in
+    each epoch's checkpoint (mmengine's param-wise rules make a param group of each trainable
+    parameter, in the model's order; none for a weight that was zeros), and AdamP projected."""
+    standardized = ["backbone.stages.0.blocks.0.attn.w_msa.qkv", "roi_head.bbox_head.shared_fcs.0"]
+    begun = {}
+    before_train = UnnormRunHook.before_train
+
+    def keep_start(hook, runner):
+        before_train(hook, runner)
+        begun.update({k: v.detach().clone() for k, v in runner.model.named_parameters()})
+
+    monkeypatch.setattr(UnnormRunHook, "before_train", keep_start)
+    run = tmp_path / "run"
+    result = train(config(*detection(tmp_path, "mask_rcnn_swin_t_ln", "optimizer=adamp",
+                                     f"model.weight_standardization=[{','.join(standardized)}]",
+                                     "scale.max_steps_per_epoch=1", epochs=2)), run)
+    assert result["status"] in FINISHED and result["steps"] == 2
+    record = result["scale_invariant"]
+    tables = sorted(name for name in begun if name.endswith("relative_position_bias_table"))
+    assert tables and all(not begun[name].any() for name in tables)
+    assert record["row"] == sorted(f"{name}.weight" for name in standardized)
+    assert record["zero"] == tables
+    assert record["counts"] == {"row": 2, "tensor": 0, "inert": 0, "zero": len(tables),
+                                "none": sum(p.ndim >= 2 for p in begun.values()) - 2 - len(tables)}
+    assert json.loads((run / SCALE_INVARIANCE_FILE).read_text()) == record
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["epoch"], "bbox_AP" in row) for row in rows] == [(1, False), (2, True)]
+    weights = [begun] + [load_checkpoint(run / f"epoch_{epoch}.pth")["state_dict"]
+                         for epoch in (1, 2)]
+    for row, before, after in zip(rows, weights, weights[1:]):
+        steps = [(after[name].double() - before[name].double()).norm()
+                 / before[name].double().norm() for name in begun]
+        assert [group["parameters"] for group in row["param_groups"]] == \
+            [value.numel() for value in begun.values()]
+        # the record's norms are float32 sums (torch._foreach_norm) of up to 2.6e5 squares:
+        # 5e-5 of them seen here
+        assert row["effective_step"] == [None if not math.isfinite(step) else pytest.approx(
+            float(step), rel=2e-4) for step in steps]
+        assert row["projection"]["tensors"] >= 2 and row["projection"]["channels"] > 0
 
 
 def test_max_steps_per_epoch_caps_every_epoch_at_fresh_batches(tmp_path):

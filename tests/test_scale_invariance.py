@@ -16,8 +16,8 @@ from torch import nn
 
 import unnorm
 from plugins.optim import UpdateRecord, projected_view
+from plugins.runlog import SCALE_INVARIANCE_FILE
 from plugins.timm.trainer import train
-from plugins.training import SCALE_INVARIANCE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -143,6 +143,9 @@ def train_only_flags(train_only: str) -> list[str]:
     return [] if train_only == "all" else ["--train-only", train_only]
 
 
+#: the entry of fairseq's end-of-epoch ``train`` statistics (logged as ``train_updates``) that
+#: holds ``--record-updates``' record of the epoch (``plugins.optim.UpdateRecord``)
+UPDATES = "updates"
 #: what plugins.fairseq.train prints of what it trains (``plugins.sam.trained_parameters``)
 TRAINED = "unnorm trained parameters: "
 _TRAINED_LINE = re.compile(re.escape(TRAINED) + r"(\{.*\})\s*$", re.MULTILINE)

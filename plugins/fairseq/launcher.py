@@ -37,8 +37,10 @@ Settings of ``configs/train.yaml``, as translation takes them:
   ``share_all_embeddings``), are refused, naming the fix.
 * ``record_scale_invariance`` records, in ``result.json``'s ``scale_invariant``, the weights
   the model is exactly scale-invariant in at its start, as the other tasks do (found by
-  ``plugins.fairseq.train``); ``ws=nf`` and ``recipe.agc`` are the normalizer-free baseline
-  (the model's ``--weight-standardization`` and ``--agc``).
+  ``plugins.fairseq.train``); ``record_updates`` adds each epoch's effective steps and
+  AdamP/SGDP projections (``plugins.optim.UpdateRecord``, measured there) to that epoch's
+  ``kind: train`` row of ``metrics.jsonl``; ``ws=nf`` and ``recipe.agc`` are the
+  normalizer-free baseline (the model's ``--weight-standardization`` and ``--agc``).
 * ``optimizer=<name>`` is fairseq's optimizer of that algorithm with every option stated
   (``optimizer_flags``: ``adamw`` fairseq's adam, whose decay is decoupled; ``adamp`` and
   ``sgdp`` the release's, registered by the user dir); optimizer flags in ``recipe.train``
@@ -64,16 +66,15 @@ from omegaconf import DictConfig, OmegaConf
 from plugins.model_options import WS_OPTIONS, as_patterns
 from plugins.norms import fit_norm_to_run, norm_kwargs
 from plugins.optim import optimizer_options
-from plugins.runlog import (METRICS_FILE, SCALE_INVARIANCE_FILE, TRANSLATION_CHANCE,
-                            CollapseDetector, RunDirectory, TrainingCollapsed, record_collapse,
-                            rejected_steps,
-                            run_folder_lock, run_logger, run_meta)
+from plugins.runlog import (METRICS_FILE, TRANSLATION_CHANCE, CollapseDetector, RunDirectory,
+                            TrainingCollapsed, record_collapse, recorded_scale_invariance,
+                            rejected_steps, run_folder_lock, run_logger, run_meta)
 from plugins.scale import command_line_values, effective_config, norm_steps_per_update
 from plugins.precision import check_amp
 
 from .checkpoints import REFUSALS
 from .data import prepare
-from .flags import norm_flags, read_trained, sam_flags, train_only_flags
+from .flags import UPDATES, norm_flags, read_trained, sam_flags, train_only_flags
 
 REPO = Path(__file__).resolve().parents[2]
 USER_DIR = Path(__file__).resolve().parent / "unnorm_fairseq"
@@ -327,6 +328,8 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
         command += ["--record-gns", str(save_dir.parent)]
     if cfg.get("record_scale_invariance"):
         command += ["--record-scale-invariance", str(save_dir.parent)]
+    if cfg.get("record_updates"):
+        command += ["--record-updates"]
     command += sam_flags(_container(cfg.get("sam"))) + train_only_flags(cfg.train_only)
     command += standardization_flags(cfg.model)
     if cfg.recipe.get("agc") is not None:
@@ -370,9 +373,10 @@ def run_training(command: Sequence[str], env: FairseqEnv, run: RunDirectory,
                     update = int(stats["num_updates"])
                     detector.update(update, torch.tensor(float(stats["loss"])))
                     logger.log({f"train_inner/{k}": float(v) for k, v in stats.items()}, step=update)
-                else:
+                else:  # an epoch's (--record-updates: with the updates' record, as it is)
+                    updates = stats.pop(f"{kind}_{UPDATES}", {})
                     stats = {k: float(v) for k, v in stats.items()}
-                    run.log(kind=kind, **stats)
+                    run.log(kind=kind, **stats, **updates)
                     logger.log(stats, step=int(stats[f"{kind}_num_updates"]))
             detector.check()
         finally:
@@ -503,7 +507,7 @@ def _train(cfg: DictConfig, out_dir: Path, meta: dict, device: str, world: int) 
         update = run_training(command, env, run, detector, logger)
     except TrainingCollapsed as collapse:
         return record_collapse(run, collapse, {"train_loss": detector.last_loss},
-                               {**meta, **trained(run), **invariance(run),
+                               {**meta, **trained(run), **recorded_scale_invariance(run.path),
                                 **norm_rejections(env, run, trusted)})
     finally:
         logger.finish()
@@ -518,7 +522,8 @@ def _train(cfg: DictConfig, out_dir: Path, meta: dict, device: str, world: int) 
     print(f"{cfg.exp_name}: BLEU {metrics['bleu']:.2f} (tokenised {metrics['bleu_tokenized']:.2f}) "
           f"after {steps} updates")
     return run.write_result(status="ok", metrics=metrics,
-                            meta={**meta, "steps": steps, **trained(run), **invariance(run),
+                            meta={**meta, "steps": steps, **trained(run),
+                                  **recorded_scale_invariance(run.path),
                                   **norm_rejections(env, run, trusted)})
 
 
@@ -527,13 +532,6 @@ def trained(run: RunDirectory) -> dict:
     ``sam_perturbed_parameters`` with SAM)."""
     log = run.path / "train.log"
     return read_trained(log.read_text()) if log.exists() else {}
-
-
-def invariance(run: RunDirectory) -> dict:
-    """``{"scale_invariant": ...}`` as ``plugins.fairseq.train`` recorded it at the run's start
-    (``record_scale_invariance``), as the other tasks' ``result.json`` holds it; none without."""
-    path = run.path / SCALE_INVARIANCE_FILE
-    return {"scale_invariant": json.loads(path.read_text())} if path.exists() else {}
 
 
 def checkpoint_tool(env: FairseqEnv, action: str, option: str, *paths: str, trusted: bool = False,

@@ -54,29 +54,39 @@ exactly scale-invariant in at its start, found as the other tasks' trainers find
 the first ``PROBE_EXAMPLES`` sentences of the first batch, the decoder's logits being what the
 criterion reads. A resumed run (updates taken) writes none, and one already there is kept.
 
+With ``--record-updates`` (``record_updates=true``) each epoch's ``train`` statistics in
+fairseq's log gain ``updates``, what the other tasks' loop writes per epoch
+(``plugins.optim.UpdateRecord``: each param group's effective step ||dw|| / ||w||, AdamP's and
+SGDP's projections), which the launcher puts into that epoch's ``metrics.jsonl`` row. It
+measures every optimizer step fairseq takes (under ``--fp16``, of the float32 master weights);
+an update skipped before its step (an ``--fp16`` overflow) is left out, as the GNS records
+leave it out, while a step ``--amp``'s scaler skips counts as 0, as in the other tasks. It is
+refused with ``--ddp-backend fully_sharded`` (flat shards of the weights).
+
 The trainer prints the perturbed set's size and share, and what it trains as one
 ``plugins.fairseq.flags.TRAINED`` line, which the launcher records in ``result.json``
 (``trainable_parameters``, ``sam_perturbed_parameters``).
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
+from fairseq.logging import metrics
+from fairseq.logging.meters import MetersDict
 from fairseq.trainer import Trainer
 from fairseq_cli import train as fairseq_train
 from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
-from plugins.fairseq.flags import sam_entry, trained_line
-from plugins.runlog import PROBE_EXAMPLES, SCALE_INVARIANCE_FILE, RunDirectory, save_gns
+from plugins.fairseq.flags import UPDATES, sam_entry, trained_line
+from plugins.optim import UpdateRecord
+from plugins.runlog import (PROBE_EXAMPLES, SCALE_INVARIANCE_FILE, RunDirectory, save_gns,
+                            write_scale_invariance)
 from plugins.sam import configured, freeze_except, trained_parameters
 
 FLUSH_EVERY = 100  # updates between moving the GNS records off the device
@@ -157,6 +167,17 @@ def adaptive_clipping(cfg):
     return agc
 
 
+def recording_updates(cfg) -> bool:
+    """Whether ``--record-updates`` is on, refused where it cannot measure the weights."""
+    if not getattr(cfg.model, "record_updates", False):
+        return False
+    if cfg.distributed_training.ddp_backend == "fully_sharded":
+        raise ValueError("--record-updates with --ddp-backend fully_sharded: each process steps "
+                         "a flat shard of the weights, whose norms are not the param groups'; use "
+                         "another --ddp-backend, or drop --record-updates (record_updates=false)")
+    return True
+
+
 def output_projection(model):
     """The head of ``--train-only norm+head``: the decoder's output projection, refused where
     it is an embedding's weight too (training it would train the input embeddings)."""
@@ -193,6 +214,8 @@ class GuardedTrainer(Trainer):
         self._updating = self._second_pass_due = False
         self.agc = adaptive_clipping(cfg)
         self.invariance_dir = getattr(cfg.model, "record_scale_invariance", None)
+        self.updates = None  # --record-updates: an UpdateRecord from the first epoch on
+        self.record_updates = recording_updates(cfg)
         self.sam = self._train_through_the_norms(cfg, self.get_model())
 
     def _train_through_the_norms(self, cfg, model):
@@ -241,10 +264,33 @@ class GuardedTrainer(Trainer):
 
     def begin_epoch(self, epoch):
         """Also saves the previous epoch's GNS records (fairseq calls this before each epoch's
-        first update, and nothing at an epoch's end)."""
+        first update, and nothing at an epoch's end) and, with ``--record-updates``, has the
+        epoch's statistics carry its record of the updates (``_record_updates``)."""
         if self.gns:
             self.gns.begin_epoch(epoch)
+        if self.record_updates:
+            self._record_updates()
         super().begin_epoch(epoch)
+
+    def _record_updates(self) -> None:
+        """``--record-updates`` (the module docstring): every optimizer step fairseq takes
+        measured by an ``UpdateRecord`` (around the task's ``optimizer_step``), whose epoch's
+        record becomes the ``UPDATES`` entry of fairseq's ``train`` statistics. A derived meter
+        of that aggregator holds it: fairseq reads it once, to log the epoch's statistics, and
+        keeps no state of it in checkpoints (a resume rebuilds the aggregator, so it is added
+        again where it is missing). Called inside fairseq's ``train`` aggregator."""
+        if self.updates is None:  # the optimizer exists by now (a resume's loaded)
+            self.updates = UpdateRecord(self.optimizer.optimizer)
+            optimizer_step = self.task.optimizer_step
+
+            def measured(*args, **kwargs):
+                with self.updates.step():
+                    return optimizer_step(*args, **kwargs)
+            self.task.optimizer_step = measured
+        epoch = metrics.get_meters("train")
+        if UPDATES not in epoch:
+            epoch.add_meter(UPDATES, MetersDict._DerivedMeter(lambda meters: self.updates.flush()),
+                            priority=1000)  # after fairseq's own
 
     def finish(self) -> None:
         """Save the last epoch's GNS records (fairseq_cli.train.main has returned or failed)."""
@@ -278,24 +324,15 @@ class GuardedTrainer(Trainer):
         if not sample or "net_input" not in sample:
             return
         run_dir, self.invariance_dir = Path(self.invariance_dir), None  # once per process
-        path = run_dir / SCALE_INVARIANCE_FILE
-        if path.exists() or self.get_num_updates() or not self.is_data_parallel_master:
+        if (run_dir / SCALE_INVARIANCE_FILE).exists() or self.get_num_updates() \
+                or not self.is_data_parallel_master:
             return
         model = self.get_model()
         device = next(model.parameters()).device
         net_input = {key: value[:PROBE_EXAMPLES].to(device)
                      for key, value in sample["net_input"].items()}
-        started = time.time()
-        if any(p.requires_grad and p.ndim >= 2 for p in model.parameters()):
-            kinds = unnorm.scale_invariance(model, lambda copy: copy(**net_input)[0],
-                                            seed=self.cfg.common.seed)
-        else:  # --train-only norm: no matrix trains
-            kinds = {}
-        record = {**unnorm.invariance_record(kinds), "examples": len(net_input["src_tokens"]),
-                  "seconds": round(time.time() - started, 2)}
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(record, indent=2))
-        os.replace(temporary, path)
+        write_scale_invariance(run_dir, model, lambda copy: copy(**net_input)[0],
+                               examples=len(net_input["src_tokens"]), seed=self.cfg.common.seed)
 
     def _end_update(self, skipped: bool) -> None:
         self.guard.end_update(skipped)

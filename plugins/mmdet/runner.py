@@ -29,6 +29,11 @@ Conventions shared with the other trainers:
   and the optimizer see it, and SAM replaces the model's ``train_step`` with
   ``SharpnessAwareStep``; ``result.json`` records ``trainable_parameters`` (and
   ``sam_perturbed_parameters``). SAM with ``accumulative_counts`` > 1 is refused.
+- ``record_scale_invariance`` and ``record_updates`` keep the other tasks' records
+  (``UnnormRunHook``): ``result.json``'s ``scale_invariant``, from the training losses of a
+  float64 copy on two training images before the first update, and each epoch's effective
+  steps and AdamP/SGDP projections in ``metrics.jsonl``; ``record_statistics`` and
+  ``record_gns`` are refused (the shared loop's taps).
 - Checkpoints load with ``weights_only=True`` (``plugins.checkpoints``); mmengine's logged
   values (``HistoryBuffer``s, whose pickle calls ``getattr``) are saved as plain lists and
   rebuilt on resume. ``trust_checkpoint=true`` lifts that for files you trust (an mmengine
@@ -37,17 +42,20 @@ Conventions shared with the other trainers:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import json
 import logging
 import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from mmdet.datasets.samplers import AspectRatioBatchSampler
 from mmcv.cnn import Conv2d, Linear
+from mmcv.ops.nms import NMSop
 from mmdet.registry import DATA_SAMPLERS
 from mmengine.config import Config
 from mmengine.hooks import Hook
@@ -64,12 +72,14 @@ from plugins.checkpoints import load_checkpoint, read_checkpoint, save_atomic
 from plugins.distributed import Distributed, per_replica_buffers
 from plugins.model_options import as_patterns, standardize_layers, standardized_layers
 from plugins.norms import norm_kwargs
-from plugins.optim import create_optimizer, optimizer_options
+from plugins.optim import UpdateRecord, create_optimizer, optimizer_options
 from plugins.precision import autocast_dtype
-from plugins.runlog import (DETECTION_CHANCE, CollapseDetector, RunDirectory, TrainingCollapsed,
-                            record_collapse, rejected_steps, run_logger, run_meta)
+from plugins.runlog import (DETECTION_CHANCE, DETECTION_PROBE_EXAMPLES, CollapseDetector,
+                            RunDirectory, TrainingCollapsed, record_collapse,
+                            recorded_scale_invariance, rejected_steps, run_logger, run_meta,
+                            write_scale_invariance)
 from plugins.sam import SharpnessAware, configured, freeze_except, trained_parameters
-from plugins.training import begin_run, require_init, run_task
+from plugins.training import begin_run, require_init, rngs_kept, run_task
 
 from . import norm_cfg
 from .convert import convert_checkpoint
@@ -163,17 +173,6 @@ class UnnormRunner(Runner):
 
     sam: SharpnessAware | None = None
 
-    def build_optim_wrapper(self, optim_wrapper):
-        """mmengine's optim wrapper, clipping adaptively for ``recipe.agc`` (``cfg.agc``):
-        timm's ``adaptive_clip_grad`` as its clipping function, which it runs where it would
-        clip by the norm (after an AmpOptimWrapper's unscale); its config names norm or value
-        clipping only."""
-        wrapper = super().build_optim_wrapper(optim_wrapper)
-        if self.cfg.get("agc"):
-            wrapper.clip_func, wrapper.clip_grad_kwargs = adaptive_clip_grad, {
-                "clip_factor": self.cfg.agc}
-        return wrapper
-
     def wrap_model(self, model_wrapper_cfg, model):
         if model_wrapper_cfg is not None:
             raise ValueError("model_wrapper_cfg: the mmdet backend wraps the model itself (DDP "
@@ -195,7 +194,10 @@ class UnnormRunner(Runner):
 
     def build_optim_wrapper(self, optim_wrapper):
         """mmengine's, with its per-parameter warnings for frozen parameters made one line,
-        and SAM with gradient accumulation refused."""
+        SAM with gradient accumulation refused, and clipping adaptively for ``recipe.agc``
+        (``cfg.agc``): timm's ``adaptive_clip_grad`` as its clipping function, which it runs
+        where it would clip by the norm (after an AmpOptimWrapper's unscale); its config names
+        norm or value clipping only."""
         skipped = _FrozenSkipped()
         logger = MMLogger.get_current_instance()
         logger.addFilter(skipped)
@@ -213,6 +215,9 @@ class UnnormRunner(Runner):
                              "update's gradient before its second pass. Set accumulative_counts=1 "
                              "in the mmdet config's optim_wrapper (one batch per update), or "
                              "sam=none")
+        if self.cfg.get("agc"):
+            built.clip_func, built.clip_grad_kwargs = adaptive_clip_grad, {
+                "clip_factor": self.cfg.agc}
         return built
 
     def load_checkpoint(self, filename, map_location="cpu", strict=False,
@@ -288,16 +293,33 @@ class UnnormRunHook(Hook):
     """Our conventions inside mmengine's loop: the collapse test on every iteration's loss
     (averaged over replicas), the norms' state made identical across replicas after each
     training epoch, metrics to ``metrics.jsonl`` and the logger, AMP's loss scaler kept
-    away from the norms, and checkpoints that load without running pickle code."""
+    away from the norms, and checkpoints that load without running pickle code.
+
+    And the records the other tasks keep: with ``record_invariance`` the run folder's
+    ``scale_invariance.json``, found before the first update (``record_scale_invariance``);
+    with ``record_updates`` each epoch's ``plugins.optim.UpdateRecord`` of the optim wrapper's
+    steps (``measure_steps``) in that epoch's ``metrics.jsonl`` row: the validation's, or a
+    row of its own for an epoch that has none."""
 
     def __init__(self, run: RunDirectory, detector: CollapseDetector, world: Distributed,
-                 norm_sync: str, logger):
+                 norm_sync: str, logger, *, record_updates: bool = False,
+                 record_invariance: bool = False, seed: int = 0):
         self.run, self.detector, self.world = run, detector, world
         self.norm_sync, self.logger = norm_sync, logger
+        self.record_updates, self.record_invariance = record_updates, record_invariance
+        self.seed = seed
         self.last: dict = {}
+        self.updates: UpdateRecord | None = None
+        self.pending: dict = {}  # the last epoch's update record, until its row is written
 
     def before_train(self, runner) -> None:
+        """After mmengine initialised or loaded the weights, before the first update."""
         guard_loss_scaler(runner.optim_wrapper, _unwrapped(runner.model))
+        if (self.record_invariance and self.world.main and runner.iter == 0
+                and not recorded_scale_invariance(self.run.path)):
+            record_scale_invariance(runner, self.run.path, self.world.device, self.seed)
+        if self.record_updates:
+            self.updates = measure_steps(runner.optim_wrapper)
 
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         plain_logged_values(checkpoint)
@@ -315,11 +337,76 @@ class UnnormRunHook(Hook):
         self.detector.check()
         if self.world.world > 1:
             unnorm.distribute_norm_state(_unwrapped(runner.model), self.norm_sync)
+        if self.updates is not None:  # runner.epoch counts the epoch once this hook returns
+            self.pending = {"epoch": runner.epoch + 1, "step": runner.iter, **self.updates.flush()}
 
     def after_val_epoch(self, runner, metrics=None) -> None:
         self.last = {"epoch": runner.epoch, "step": runner.iter, **our_metrics(metrics or {})}
-        self.run.log(**self.last)
+        self.run.log(**{**self.pending, **self.last})
+        self.pending = {}
         self.logger.log(self.last, step=runner.iter)
+
+    def before_train_epoch(self, runner) -> None:
+        self._log_pending()
+
+    def after_train(self, runner) -> None:
+        self._log_pending()
+
+    def _log_pending(self) -> None:
+        """The row of an epoch that had no validation (its update record alone)."""
+        if self.pending:
+            self.run.log(**self.pending)
+            self.pending = {}
+
+
+def measure_steps(optim_wrapper) -> UpdateRecord:
+    """An ``UpdateRecord`` of each of ``optim_wrapper``'s steps (its clipping, and an AMP
+    scaler's skip, which counts as a step of 0, included: as the shared loop measures its
+    ``optimizer_step``). mmengine's param-wise rules make each parameter a param group of its
+    own, so the record has an entry per parameter."""
+    record = UpdateRecord(optim_wrapper.optimizer)
+    step = optim_wrapper.step
+
+    @functools.wraps(step)  # keeps the marks mmengine's schedulers put on the step they count
+    def measured(**kwargs) -> None:
+        with record.step():
+            step(**kwargs)
+    optim_wrapper.step = measured  # what update_params and SharpnessAwareStep call
+    return record
+
+
+def record_scale_invariance(runner, run_dir: Path, device: torch.device, seed: int) -> None:
+    """``scale_invariance.json`` (``plugins.runlog.write_scale_invariance``) of the detector
+    on its first ``DETECTION_PROBE_EXAMPLES`` training images through the training pipeline
+    (the RNGs left as they were). What the update reads, as in the torchvision backend (whose
+    probe says why training mode is deterministic there): the float64 copy's losses, with
+    mmcv's NMS finding its indices in float32 (``float32_nms``)."""
+    loader = runner.train_dataloader
+    count = min(len(loader.dataset), DETECTION_PROBE_EXAMPLES)
+    with rngs_kept(device):
+        data = loader.collate_fn([loader.dataset[index] for index in range(count)])
+
+        def losses(detector: torch.nn.Module) -> dict:
+            batch = detector.data_preprocessor(data, True)  # float64: the copy's mean and std
+            with float32_nms():
+                found = detector(**batch, mode="loss")
+            return {name: value for name, value in found.items() if "loss" in name}  # not "acc"
+        write_scale_invariance(run_dir, _unwrapped(runner.model), losses, examples=count, seed=seed)
+
+
+@contextmanager
+def float32_nms() -> Iterator[None]:
+    """mmcv's NMS, whose CPU kernel takes float32 only, finding the indices it keeps in
+    float32 (the boxes and scores it returns are still the caller's): a float64 detector trains
+    through it. A change at float64 rounding moves a float32 rounding only at a rounding
+    boundary, so the indices a scale-invariant weight's copies keep are the same."""
+    original = vars(NMSop)["forward"]
+    NMSop.forward = staticmethod(lambda ctx, boxes, scores, *options: original.__func__(
+        ctx, boxes.float(), scores.float(), *options))
+    try:
+        yield
+    finally:
+        NMSop.forward = original
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -485,19 +572,28 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
             save_atomic({"state_dict": weights}, converted)
         _barrier(world)
     logger = run_logger(cfg, out_dir, enabled=world.main)
-    hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger)
+    hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger,
+                         record_updates=bool(cfg.record_updates),
+                         record_invariance=bool(cfg.record_scale_invariance), seed=cfg.seed)
     runner.register_hook(hook, priority="LOW")
     try:
         runner.train()
         meta.update(steps=runner.iter, **trained_parameters(model, runner.sam),
-                    **rejected_steps(model.state_dict()))
+                    **rejected_steps(model.state_dict()), **_invariance(cfg, out_dir))
         result = run.write_result(status="ok", metrics=hook.last, meta=meta)
     except TrainingCollapsed as collapse:
-        meta.update(**trained_parameters(model, runner.sam), **rejected_steps(model.state_dict()))
+        meta.update(**trained_parameters(model, runner.sam), **rejected_steps(model.state_dict()),
+                    **_invariance(cfg, out_dir))
         result = record_collapse(run, collapse, hook.last, meta)
     finally:
         logger.finish()
     return result
+
+
+def _invariance(cfg: DictConfig, out_dir: Path) -> dict:
+    """``result.json``'s ``scale_invariant``, as ``UnnormRunHook`` recorded it at the run's
+    start (none for a resume of a run that has no record: its weights are not the start's)."""
+    return recorded_scale_invariance(out_dir) if cfg.record_scale_invariance else {}
 
 
 def _barrier(world: Distributed) -> None:

@@ -16,11 +16,12 @@ import torch
 from omegaconf import DictConfig
 from timm.optim import param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
+from torch import nn
 
 from plugins.distributed import Distributed
 from plugins.loop import CHECKPOINT  # noqa: F401  (scripts/train.py's resume check)
 from plugins.optim import create_optimizer
-from plugins.runlog import DETECTION_CHANCE, run_meta
+from plugins.runlog import DETECTION_CHANCE, DETECTION_PROBE_EXAMPLES, run_meta
 from plugins.training import Plan, Run, Steps, Task, epoch_plan, load_weights
 from plugins.training import train as train_task
 
@@ -116,6 +117,25 @@ def _scheduler(run: Run):
         updates_per_epoch=steps_per_epoch)
 
 
+def _probe(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    """``record_scale_invariance``: the training losses of the float64 copy on ``batch``, what
+    the update reads, so every trained weight is tested, the heads' included (a standardised
+    head layer is row-invariant), where the backbone's features would leave the heads inert.
+    Training mode is deterministic here: its draws (the multi-scale size, drop path, the
+    RPN's and RoI heads' sampling) come from torch's RNG, which ``unnorm.scale_invariance``
+    reseeds before every forward, and the proposals kept and matched are chosen by comparisons
+    that a scale-invariant weight's change, at float64 rounding, does not flip."""
+    device = next(model.parameters()).device
+
+    def moved(value):  # float64 boxes, as the images
+        if not torch.is_tensor(value):
+            return value
+        return value.to(device, torch.float64) if value.is_floating_point() else value.to(device)
+    images, targets = batch
+    return model([moved(image) for image in images],
+                 [{key: moved(value) for key, value in target.items()} for target in targets])
+
+
 def _compile(run: Run) -> None:
     run.model.backbone.compile(dynamic=True)  # torchvision's heads branch on data; in place, keys unchanged
 
@@ -149,4 +169,5 @@ def _steps(run: Run) -> Steps:
 TASK = Task(ranges=RANGES, data=_data, init=_init, describe=_describe, optimizer=_optimizer,
             model=lambda run: build_detector(run.cfg.model, run.cfg.norm, run.data.train_set.num_classes),
             head=lambda model: model.roi_heads, scheduler=_scheduler, compile=_compile,
-            tapped=lambda model: model.backbone, steps=_steps)
+            tapped=lambda model: model.backbone, steps=_steps, probe=_probe,
+            probe_examples=DETECTION_PROBE_EXAMPLES)

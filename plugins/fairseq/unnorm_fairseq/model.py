@@ -16,9 +16,10 @@ So is ``--record-gns RUN_DIR`` (the norms' per-example gradient norms, ``unnorm.
 that trainer records; it is registered here, with the norms' flags, so that every command line
 of this model (``plugins.fairseq.checkpoints`` rebuilds it from the training flags) takes it.
 So are ``--sam true`` with its ``--sam-*`` options (sharpness-aware updates, SAM-ON),
-``--train-only norm|norm+head`` (``plugins.fairseq.flags``) and ``--agc`` (adaptive gradient
-clipping), which that trainer applies; fairseq-train, which would ignore them, is refused with
-them. ``--weight-standardization PATTERN ...`` (with ``--ws-eps``, ``--ws-eps-form``,
+``--train-only norm|norm+head`` (``plugins.fairseq.flags``), ``--agc`` (adaptive gradient
+clipping), ``--record-scale-invariance RUN_DIR`` and ``--record-updates``, which that trainer
+applies or records; fairseq-train, which would ignore them, is refused with them.
+``--weight-standardization PATTERN ...`` (with ``--ws-eps``, ``--ws-eps-form``,
 ``--ws-gamma``: ``plugins.model_options.standardize_layers``) standardises the linear layers
 the patterns name; ``--ws-eps-form scaled`` with ``--agc`` and ``--norm-type nonorm`` is the
 normalizer-free baseline (``ws=nf``). fairseq's self-attention hands its projections' weights
@@ -176,8 +177,8 @@ class UnnormTransformerModel(TransformerModel):
 
     loss_scaled = False  # built for --fp16/--amp training (build_model)
     record_gns = None  # --record-gns: the run directory plugins.fairseq.train records into
-    needs_trainer = False  # --sam true, --train-only other than all, or --agc
-    trainer_applies = False  # set by plugins.fairseq.train, which applies --sam, --train-only, --agc
+    needs_trainer = False  # --sam true, --train-only other than all, --agc or a record's flag
+    trainer_applies = False  # set by plugins.fairseq.train, which applies them
 
     @classmethod
     def add_args(cls, parser):
@@ -199,6 +200,10 @@ class UnnormTransformerModel(TransformerModel):
                             help="record the weights the model is exactly scale-invariant in at "
                                  "its start into RUN_DIR/scale_invariance.json (training with "
                                  "plugins.fairseq.train)")
+        parser.add_argument("--record-updates", action="store_true",
+                            help="record each epoch's effective steps and AdamP/SGDP projections "
+                                 "in its train statistics (plugins.optim.UpdateRecord; training "
+                                 "with plugins.fairseq.train)")
         parser.add_argument("--sam", type=boolean, default=False, metavar="BOOL",
                             help="sharpness-aware updates (plugins.sam; training with "
                                  "plugins.fairseq.train, one micro-batch per update)")
@@ -235,7 +240,9 @@ class UnnormTransformerModel(TransformerModel):
         model.record_gns = getattr(args, "record_gns", None)
         model.needs_trainer = (bool(getattr(args, "sam", False))
                                or getattr(args, "train_only", "all") != "all"
-                               or getattr(args, "agc", None) is not None)
+                               or getattr(args, "agc", None) is not None
+                               or bool(getattr(args, "record_scale_invariance", None))
+                               or bool(getattr(args, "record_updates", False)))
         return model
 
     def forward(self, *args, **kwargs):
@@ -246,8 +253,9 @@ class UnnormTransformerModel(TransformerModel):
             raise RuntimeError("--record-gns: nothing records the norms' gradients; train with "
                                "`python -m plugins.fairseq.train` (fairseq-train's flags), which does")
         if self.training and self.needs_trainer and not self.trainer_applies:
-            raise RuntimeError("--sam/--train-only/--agc: nothing applies them (fairseq-train would "
-                               "train every parameter with plain updates); train with `python -m "
+            raise RuntimeError("--sam/--train-only/--agc/--record-scale-invariance/--record-updates: "
+                               "nothing applies them (fairseq-train would train every parameter "
+                               "with plain updates and record nothing); train with `python -m "
                                "plugins.fairseq.train` (fairseq-train's flags), which does")
         return super().forward(*args, **kwargs)
 
