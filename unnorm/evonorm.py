@@ -64,8 +64,6 @@ class EvoNormS0(FusedActivation, SampleStatistics, ChannelNorm):
     default; a ``groups`` that does not divide the channels falls to the largest divisor
     below it, as in the release). No running state; online."""
 
-    _composite_when_compiled = True
-
     def __init__(self, num_features: int, groups: int = 32, eps: float = 1e-5,
                  apply_act: bool = True, layout: str = "token", device=None, dtype=None):
         super().__init__(num_features, eps=eps, device=device, dtype=dtype)
