@@ -252,6 +252,10 @@ def main() -> None:
     compile_side_by_side()
     rows, checks = [], []
     for shape in args.shapes:
+        # each shape compiles afresh: after one shape dynamo would compile the next with
+        # dynamic shapes (its automatic dynamic is per code, shared by every module), whose
+        # kernels ran 3x slower for PN-LS, EvoNorm-S0 and BCN on Swin maps
+        torch._dynamo.reset()
         batch, *rest = SHAPES[shape]
         shape_rows, shape_checks = measure((batch * args.batch_scale, *rest), norms, args, device)
         rows, checks = rows + shape_rows, checks + shape_checks

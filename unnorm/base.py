@@ -112,17 +112,6 @@ class ChannelNorm(nn.Module):
         call: the affine stays a separate step (``_affine``), not fused into a kernel."""
         return self._recording or (self._gns is not None and self.training)
 
-    #: compiled, the training call runs the composite: inductor fuses it better than this
-    #: norm's hand-written backward (``scripts/bench_norms.py``, per layer on a CPU)
-    _composite_when_compiled: bool = False
-
-    @property
-    def _hand_written(self) -> bool:
-        """Whether this call may run the norm's hand-written backward: not where a tap hooks
-        its parts (``_tapped``), nor compiled where the composite compiles better."""
-        return not self._tapped and not (self._composite_when_compiled
-                                         and torch.compiler.is_compiling())
-
     def _affine_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(weight, bias)`` in float32 (bias None without one)."""
         return upcast(self.weight), None if self.bias is None else upcast(self.bias)

@@ -17,8 +17,6 @@ class DynamicTanh(ChannelNorm):
     ``weight`` and ``bias`` fold into a following linear layer (``fold_parts``).
     ``bias=False`` is the release's LLaMA DyT: ``weight * tanh(alpha * x)``."""
 
-    _composite_when_compiled = True
-
     def __init__(self, num_features: int, alpha_init: float = 0.5, bias: bool = True,
                  device=None, dtype=None):
         super().__init__(num_features, bias=bias, device=device, dtype=dtype)
@@ -33,7 +31,7 @@ class DynamicTanh(ChannelNorm):
     def _normalize(self, rows, valid):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
-        if not self._hand_written:
+        if self._tapped:  # the taps hook tanh's output and the affine's
             return self._affine(torch.tanh(upcast(self.alpha) * upcast(rows)), valid)
         return _DyTStep.apply(upcast(rows), upcast(self.alpha), *self._affine_weights())
 

@@ -80,7 +80,7 @@ class EvoNormS0(FusedActivation, SampleStatistics, ChannelNorm):
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
         if self.apply_act and self.layout == "token" and self._grouping is None \
-                and self._hand_written:
+                and not self._tapped:
             return _S0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.groups,
                                  self.eps)
         if self.apply_act:
@@ -102,8 +102,6 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
     and channel over its positions (``layout="image"``, the release on images). Guarded as
     every norm with running state: a rejected batch or a skipped update leaves
     ``running_var`` as it was. Online: the instance term depends on each input."""
-
-    _composite_when_compiled = True
 
     _running_names = ("running_var",)
     statistic_form = "variance"
@@ -168,7 +166,7 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
         """Whether this training call runs as ``_B0Step``: per token, no padding, replicas,
         positions or tap, and a non-empty batch (the general path lets the guard reject it)."""
         return (self.layout == "token" and valid is None and self._positions is None
-                and not replicas_active(self.sync_stats) and self._hand_written
+                and not replicas_active(self.sync_stats) and not self._tapped
                 and rows.shape[0] > 0)
 
     def _evaluate(self, rows, valid, statistics):

@@ -52,8 +52,7 @@ def _inv_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 #: devices where torch's ``F.rms_norm`` is a fused kernel, forward and backward (on a CPU it
-#: is autograd's composite, 4x a LayerNorm: ``_RMSNormStep`` runs there eager; compiled,
-#: inductor fuses the composite, 1.3x faster than it fuses ``_RMSNormStep``)
+#: is autograd's composite, 4x a LayerNorm: ``_RMSNormStep`` runs there)
 FUSED_RMS_DEVICES = ("cuda",)
 
 
@@ -62,8 +61,8 @@ def rms_normalize(rows: torch.Tensor, eps: float, weight: Optional[torch.Tensor]
     """``x / sqrt(mean(x^2) + eps) * weight + bias`` over the last axis of ``(N, C)`` rows (no
     weight: no affine): torch's fused kernel where it has one, else ``_RMSNormStep``, two
     (N, C) allocations per step."""
-    if rows.device.type in FUSED_RMS_DEVICES or torch.compiler.is_compiling():
-        out = F.rms_norm(rows, rows.shape[-1:], weight, eps)  # compiled: inductor fuses it
+    if rows.device.type in FUSED_RMS_DEVICES:
+        out = F.rms_norm(rows, rows.shape[-1:], weight, eps)
         return out if bias is None else out + bias
     return _RMSNormStep.apply(rows, weight, bias, eps)
 
