@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 
 from .base import (StepCounted, builds_graph, call_id, channel_products, channel_sum,
-                   channel_sum_sq,
-                   check_momentum, first_backward, per_channel, recomputing, replicas_active,
-                   snapshot, statistic_ok, sum_over_replicas, unscaled, upcast, zero_padding)
+                   channel_sum_sq, check_momentum, first_backward, per_channel, recomputing,
+                   replicas_active, snapshot, statistic_ok, sum_over_replicas, unscaled, upcast,
+                   zero_padding)
 
 
 @dataclass

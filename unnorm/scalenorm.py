@@ -36,7 +36,8 @@ class ScaleNorm(ChannelNorm):
 
 class _ScaleNormStep(torch.autograd.Function):
     """``g x / max(||x||, eps)`` with its backward by hand (issue 51): one (N, C) allocation
-    each way, where autograd's graph of the norm, the division and the gain allocated six.
+    forward and two backward, where autograd's graph of the norm, the division and the gain
+    allocated six.
     With ``P = sum(dy x)`` per row, ``dg = sum(P / norm)`` and ``dx = g dy / norm - g P x /
     (norm^2 ||x||)``, the second term only where the clamp passes the gradient (``||x|| >=
     eps``, as ``clamp_min``'s)."""
