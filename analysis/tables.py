@@ -717,23 +717,28 @@ def norm_speed_tables(benchmarks: Path) -> list[Table]:
              "arithmetic of DyT, EvoNorm and PRepBN where that is more); met: yes where the "
              "whole interval is at or under the target, no where it is over. torch_*: torch's "
              "own layers and ops, the references."]))
+    groups: dict[tuple[str, str], list[tuple[Path, dict]]] = {}
     for path in sorted(benchmarks.glob("training_*.json")):
         bench = json.loads(path.read_text())
-        steps = bench["training"]
-        models = list(dict.fromkeys(r["model"] for r in steps))
-        by = {(r["model"], r["norm"]): r for r in steps}
+        if bench["training"]:
+            groups.setdefault((bench["device"], bench["training"][0]["mode"]), []).append(
+                (path, bench))
+    for (device, mode), records in groups.items():
+        by = {(r["model"], r["norm"]): r for _, bench in records for r in bench["training"]}
+        models = list(dict.fromkeys(model for model, _ in by))
         rows = [[NORM_METHODS.get(norm, norm), *(_ratio(by[(m, norm)]["vs_ln"]) if (m, norm) in by
                                                  else "—" for m in models)]
-                for norm in dict.fromkeys(r["norm"] for r in steps)]
-        mode = steps[0]["mode"] if steps else "?"
+                for norm in dict.fromkeys(norm for _, norm in by)]
+        settings = sorted({f"{path.name}: batch {bench['train_batch']}, {bench['img_size']} px, LM "
+                           f"context {bench['lm_context']}, {bench['rounds']} rounds"
+                           for path, bench in records})
         tables.append(Table(
-            f"Norm speed per model: a training step over LN's ({bench['device']}, {mode}, "
-            f"{path.name})", ["norm", *models], rows,
-            [f"scripts/benchmark.py --parts training: one optimizer step (AdamW) at batch "
-             f"{bench['train_batch']}, {bench['img_size']} px, LM context {bench['lm_context']}, "
-             f"{bench['rounds']} interleaved rounds: median of per-round ratios to LN's step "
-             "[bootstrap 95% interval]; the norms past their warm-ups (PRepBN inside its "
-             "hand-over)."]))
+            f"Norm speed per model: a training step over LN's ({device}, {mode})",
+            ["norm", *models], rows,
+            ["scripts/benchmark.py --parts training: one optimizer step (AdamW), the norms past "
+             "their warm-ups (PRepBN inside its hand-over); median of per-round ratios to the "
+             "LN step of the same run [bootstrap 95% interval]. Runs: " + "; ".join(settings)
+             + "."]))
     return tables
 
 

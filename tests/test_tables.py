@@ -773,6 +773,11 @@ def test_norm_speed_tables_show_each_ratio_against_its_target(tmp_path):
     (bench / "training_cpu.json").write_text(json.dumps({
         "device": "cpu", "rounds": 5, "train_batch": 2, "img_size": 224, "lm_context": 128,
         "training": steps}))
+    other = [{"model": "llama_71m", "norm": norm, "mode": "eager", "vs_ln": r} for norm, r in (
+        ("ln", ratio(1, 1, 1)), ("dyt", ratio(0.97, 0.9, 1.05)))]
+    (bench / "training_cpu_b.json").write_text(json.dumps({  # the same device and mode: one table
+        "device": "cpu", "rounds": 7, "train_batch": 2, "img_size": 224, "lm_context": 128,
+        "training": other}))
     (tmp_path / "none").mkdir()
     proc = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(tmp_path / "none"),
                            "--out", str(tmp_path / "out"), "--benchmarks", str(bench)],
@@ -784,5 +789,6 @@ def test_norm_speed_tables_show_each_ratio_against_its_target(tmp_path):
         "un", "eager", "1.80 [1.70, 1.90]; target 3.00: yes",
         "0.90 [0.80, 1.60]; target 1.50: unresolved"]
     assert "norms_old.json" not in markdown
-    title = "Norm speed per model: a training step over LN's (cpu, eager, training_cpu.json)"
+    title = "Norm speed per model: a training step over LN's (cpu, eager)"
     assert table_row(markdown, title, "UN")[1:] == ["1.04 [1.01, 1.08]", "—"]
+    assert table_row(markdown, title, "DyT")[1:] == ["—", "0.97 [0.90, 1.05]"]  # the other run
