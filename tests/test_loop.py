@@ -75,10 +75,12 @@ def test_a_per_epoch_schedule_is_refused(tmp_path):
                   torch.nn.Linear(2, 2), optimizer, scheduler, None)
 
 
-@pytest.mark.parametrize("norm", ["ln", "bn", "un", "prepbn"])
+@pytest.mark.parametrize("norm", ["ln", "rms", "bn", "bcn", "un", "prepbn", "dyt",
+                                  "evonorm_s0", "evonorm_b0", "scalenorm"])
 def test_recording_the_gns_changes_no_training(tmp_path, norm):
-    """record_gns=true trains bit for bit as without (LN keeps its fused kernel; the tap only
-    reads gradients), and writes one record per update for the norm."""
+    """record_gns=true trains bit for bit as without (each norm keeps its fused kernel or
+    hand-written backward; the tap only reads gradients), and writes one record per update
+    for the norm."""
     plain, plain_result = _train(tmp_path / "plain", norm, batch=8, accumulate=1, updates=5)
     recorded, result = _train(tmp_path / "gns", norm, batch=8, accumulate=1, updates=5, record_gns=True)
     for (name, a), b in zip(plain.state_dict().items(), recorded.state_dict().values()):

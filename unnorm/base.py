@@ -108,9 +108,11 @@ class ChannelNorm(nn.Module):
 
     @property
     def _tapped(self) -> bool:
-        """A statistics or gradient-noise-scale tap hooks z and the affine's output in this
-        call: the affine stays a separate step (``_affine``), not fused into a kernel."""
-        return self._recording or (self._gns is not None and self.training)
+        """The statistics tap hooks dL/dz in this call (``_watch_grad``): z must be a tensor of
+        the graph, so the norm takes its general path, the affine a separate step. The
+        gradient-noise-scale tap needs no z in the graph: a fused path hands it z recomputed
+        in the backward (``_watch_affine``), and trains bit for bit as without it."""
+        return self._recording
 
     def _affine_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(weight, bias)`` in float32 (bias None without one)."""

@@ -78,7 +78,8 @@ class BatchChannelNorm(SampleStatistics, BatchNorm):
         scale = snapshot(torch.rsqrt(state["running_var"] + self.eps))
         shift = snapshot(-state["running_mean"] * scale)
         z = self._inference(rows, scale, shift)
-        return (affine(z, *self._affine_weights()) if with_affine else z), state, var, count
+        return ((affine(z, *self._affine_weights()) if with_affine else z), state, var, count,
+                lambda plain: self._inference(plain, scale, shift))
 
     def _running_update(self, old, mean, var, count):
         if not self.estimate:

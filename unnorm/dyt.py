@@ -31,9 +31,13 @@ class DynamicTanh(ChannelNorm):
     def _normalize(self, rows, valid):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
-        if self._tapped:  # the taps hook tanh's output and the affine's
-            return self._affine(torch.tanh(upcast(self.alpha) * upcast(rows)), valid)
-        return _DyTStep.apply(upcast(rows), upcast(self.alpha), *self._affine_weights())
+        alpha = upcast(self.alpha)
+        if self._tapped:
+            return self._affine(torch.tanh(alpha * upcast(rows)), valid)
+        plain = upcast(rows).detach()
+        return self._watch_affine(_DyTStep.apply(upcast(rows), alpha, *self._affine_weights()),
+                                  lambda: {"weight": torch.tanh(alpha.detach() * plain),
+                                           "bias": None})
 
     def fold_parts(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
         """``(scale, shift, core)``: the output is ``core(x) * scale + shift``, and the affine

@@ -81,12 +81,17 @@ class EvoNormS0(FusedActivation, SampleStatistics, ChannelNorm):
         rows = upcast(rows)
         if self.apply_act and self.layout == "token" and self._grouping is None \
                 and not self._tapped:
-            return _S0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.groups,
-                                 self.eps)
-        if self.apply_act:
-            _, var = self._sample_moments(rows, self.groups, valid)
-            rows = rows * torch.sigmoid(upcast(self.v) * rows) / torch.sqrt(var + self.eps)
-        return self._affine(rows, valid)
+            plain = rows.detach()
+            return self._watch_affine(
+                _S0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.groups,
+                              self.eps),
+                lambda: {"weight": self._activated(plain, valid), "bias": None})
+        return self._affine(self._activated(rows, valid) if self.apply_act else rows, valid)
+
+    def _activated(self, rows, valid):
+        """``x sigmoid(v x) / sqrt(group_var(x) + eps)``, the output before the affine."""
+        _, var = self._sample_moments(rows, self.groups, valid)
+        return rows * torch.sigmoid(upcast(self.v) * rows) / torch.sqrt(var + self.eps)
 
 
 class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm):
@@ -148,6 +153,10 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
             return self._evaluate(rows, valid, self._eval_buffers())
         if self._fused_call(rows, valid):
             out, var = _B0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.eps)
+            plain = rows.detach()
+            out = self._watch_affine(out, lambda: {"weight": _b0_divide(
+                plain, upcast(self.v).detach(), torch.sqrt(var + self.eps), self.eps)[0],
+                "bias": None})
             count = row_count(rows, valid)
             return commit_call(out, self, valid, self._running_state(None, var, count),
                                self._batch_ok(var, count))

@@ -100,9 +100,14 @@ class ProgressiveRepBN(CausalStatistics, StepCounted):
             return self._evaluate(rows, valid, self._eval_buffers())
         step = snapshot(self.num_iters + 1)  # the backward's share is this call's
         if self._fused_call(rows, valid):
+            share = self.layer_norm_share(step)
             out, mean, inv_std = _HandOverStep.apply(
                 rows, *self._affine_weights(), upcast(self.bn_weight), upcast(self.bn_bias),
-                upcast(self.alpha), self.layer_norm_share(step), self.eps)
+                upcast(self.alpha), share, self.eps)
+            plain = rows.detach()
+            out = self._watch_affine(out, lambda: {  # as the general path's, recomputed
+                "weight": share * self._start(plain, affine=False), "bias": share,
+                "bn_weight": (1 - share) * (plain - mean) * inv_std, "bn_bias": 1 - share})
             mean, var = native_moments(mean, inv_std, self.eps)
             count = row_count(rows, valid)
             return commit_call(out, self, valid, self._bn_state(step, mean, var, count),

@@ -29,9 +29,13 @@ class ScaleNorm(ChannelNorm):
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
         if not self._tapped:
-            return _ScaleNormStep.apply(rows, upcast(self.weight), self.eps)
-        norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True).clamp_min(self.eps)
-        return self._affine(rows / norm, valid)
+            plain = rows.detach()
+            return self._watch_affine(_ScaleNormStep.apply(rows, upcast(self.weight), self.eps),
+                                      lambda: {"weight": plain / self._length(plain)})
+        return self._affine(rows / self._length(rows), valid)
+
+    def _length(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(rows, dim=-1, keepdim=True).clamp_min(self.eps)
 
 
 class _ScaleNormStep(torch.autograd.Function):

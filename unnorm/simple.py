@@ -39,9 +39,12 @@ class RMSNorm(ChannelNorm):
         if self._recording:
             self._tap.record_act(channel_mean_sq(rows, valid))
         rows = upcast(rows)
-        if self._tapped:  # the taps hook z and the affine's output
+        if self._tapped:
             return self._affine(rows * _inv_rms(rows, self.eps), valid)
-        return rms_normalize(rows, self.eps, *self._affine_weights())
+        plain = rows.detach()
+        return self._watch_affine(rms_normalize(rows, self.eps, *self._affine_weights()),
+                                  lambda: {"weight": plain * _inv_rms(plain, self.eps),
+                                           "bias": None})
 
 
 def _inv_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
@@ -262,21 +265,27 @@ class BatchNorm(CausalStatistics, GuardedNorm):
         if not self.training:
             return self._evaluate(rows, valid, self._eval_buffers())
         fused = not self._tapped
-        out, state, var, count = self._batch_part(rows, valid, fused)
+        out, state, var, count, standardized = self._batch_part(rows, valid, fused)
         if self._recording:
             self._tap.record_act(self._whole_batch(var))
-        if not fused:
+        if fused:
+            plain = rows.detach()
+            out = self._watch_affine(out, lambda: {"weight": standardized(plain), "bias": None})
+        else:
             out = self._affine(out, valid)
         return commit_call(self._then(out, valid), self, valid, state, self._batch_ok(var, count))
 
     def _batch_part(self, rows, valid, with_affine: bool):
-        """``(y, state, var, count)``: the rows standardised by the batch's statistics (then
-        the affine ``with_affine``: in the same kernel where torch's fused one runs), the
-        candidate running state, and the batch's variance and row count."""
+        """``(y, state, var, count, standardized)``: the rows standardised by the batch's
+        statistics (then the affine ``with_affine``: in the same kernel where torch's fused one
+        runs), the candidate running state, the batch's variance and row count, and the
+        standardisation as a function of detached rows (the gradient-noise-scale tap's z)."""
         y, mean, var, count = batch_standardize(
             rows, valid, self.eps, replicas_active(self.sync_stats), self._positions,
             *(self._affine_weights() if with_affine else ()))
-        return y, self._running_state(mean, var, count), var, count
+        return (y, self._running_state(mean, var, count), var, count,
+                lambda plain: (plain - self._per_row(mean, plain))
+                * torch.rsqrt(self._per_row(var, plain) + self.eps))
 
     def _then(self, out: torch.Tensor, valid) -> torch.Tensor:
         """What follows the batch normalization and its affine: nothing (BCN: its channel
