@@ -235,8 +235,8 @@ class _S0Step(torch.autograd.Function):
 
 def _b0_divide(rows, v, batch_std, eps):
     """``(x / max(batch_std, v x + instance_std(x)), divisor, instance mean and std)`` per
-    token, in two (N, C) allocations."""
-    # LayerNorm's kernel for the token's moments (var_mean's ran 7x slower on CPU)
+    token, in three (N, C) allocations (LayerNorm's output among them, unused: its kernel
+    gives the token's moments, where var_mean's ran 7x slower on CPU)."""
     _, instance_mean, instance_rstd = torch.native_layer_norm(rows, [rows.shape[-1]], None, None,
                                                               eps)
     instance_std = instance_rstd.reciprocal()
