@@ -12,6 +12,7 @@ any difference in the algorithm (a dropped term moves a gradient by 1e-2 or more
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from unittest import mock
 
@@ -62,7 +63,7 @@ def train_step(norm, x, dy, general: bool):
     forces the general path, as a tap would."""
     x = x.clone().requires_grad_(True)
     with (mock.patch.object(unnorm.ChannelNorm, "_tapped", property(lambda self: True))
-          if general else mock.MagicMock()):
+          if general else contextlib.nullcontext()):
         y = norm(x)
     return [y, *torch.autograd.grad(y, [x, *norm.parameters()], dy)]
 
@@ -133,6 +134,9 @@ def test_a_fused_call_under_a_half_cast_keeps_float32_statistics():
         x, dy = (t.to(torch.bfloat16) for t in inputs(0))
         for got, want in zip(train_step(fused, x, dy, False), train_step(general, x, dy, True)):
             assert got.dtype == want.dtype
+            # both paths compute in float32 and round once to bfloat16 (2^-8 relative), so
+            # they differ by at most a rounding or two: 2e-2, whatever float32's CPU-dependent
+            # last bits
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
