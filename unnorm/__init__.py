@@ -16,6 +16,7 @@ from .bcn import BatchChannelNorm
 from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
 from .evonorm import EvoNormB0, EvoNormS0
+from .groupnorm import GroupNorm
 from .fold import (ChannelAffine, FoldedNorm, check_fold_plan, fold_by_plan, fold_into_linear,
                    fold_norms, to_affine)
 from .gns import GNSRecorder, record_gns
@@ -57,7 +58,7 @@ __all__ = [
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
     "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "BatchChannelNorm", "EvoNormB0", "EvoNormS0",
-    "ScaleNorm",
+    "ScaleNorm", "GroupNorm",
     "SeparateClassNorm", "separate_class_norms", "LAYOUTS", "standardize_weights",
     "scale_invariance", "invariance_record",
     "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "SCALED",
