@@ -239,3 +239,27 @@ def test_bad_input_is_refused_naming_the_fix():
         signal_propagation({"a": lin}, lambda: lin(lin(torch.randn(2, 3))).sum())
     with pytest.raises(ValueError, match="no probe points"):
         signal_propagation({}, lambda: torch.zeros(()))
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "peri", "mix"])
+def test_language_model_probes_every_block_of_each_placement(placement):
+    """One record per decoder layer, in depth order; the gradient reaches the first layer;
+    the LM's Post placement keeps each block's output at unit variance (its last norm's)."""
+    from plugins.lm.signal import probe_setup
+    points, loss = probe_setup({"name": "gn", "groups": 4}, placement=placement, depth=4,
+                               width=16, batch=3, context=5, seed=0)
+    records = signal_propagation(points, loss)
+    assert [r["point"] for r in records] == [f"layers.{i}" for i in range(4)]
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["variance"]) for r in records)
+    if placement == "post":  # per-token GroupNorm last: each token's channels at variance ~1
+        assert all(r["variance"] == pytest.approx(1.0, abs=0.2) for r in records)
+
+
+@pytest.mark.parametrize("model", ["t2t_vit", "swin_t"])
+def test_vision_models_probe_every_block(model):
+    from plugins.timm.signal import probe_setup
+    points, loss = probe_setup({"name": "ln"}, model=model, depth=7, width=16, batch=2, seed=0)
+    records = signal_propagation(points, loss)
+    assert len(records) == 7 and all(r["grad_norm"] > 0 for r in records)
+    with pytest.raises(ValueError, match="depth must be 7"):
+        probe_setup({"name": "ln"}, model="swin_t", depth=4, width=16, batch=2, seed=0)
