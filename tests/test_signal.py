@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -263,3 +264,13 @@ def test_vision_models_probe_every_block(model):
     assert len(records) == 7 and all(r["grad_norm"] > 0 for r in records)
     with pytest.raises(ValueError, match="depth must be 7"):
         probe_setup({"name": "ln"}, model="swin_t", depth=4, width=16, batch=2, seed=0)
+
+
+def test_growth_exponent_is_the_power_of_the_variance_against_depth():
+    """analysis.signal: variance c l^k over blocks l = 1..L gives exponent k (linear 1, flat 0,
+    quadratic 2), whatever c."""
+    from analysis.signal import growth_exponent
+    blocks = np.arange(1, 49)
+    assert growth_exponent(3.0 * blocks) == pytest.approx(1.0, abs=1e-12)
+    assert growth_exponent(np.full(48, 2.0)) == pytest.approx(0.0, abs=1e-12)
+    assert growth_exponent(blocks ** 2.0) == pytest.approx(2.0, abs=1e-12)
