@@ -37,6 +37,7 @@ FUSED = {
     "evonorm_s0": [{"groups": 3}, {"groups": 1}],
     "evonorm_b0": [{}, {"unbiased_running_var": True}],
     "scalenorm": [{}, {"eps": 5.0}],  # eps 5: some rows' norms are clamped
+    "gn": [{"groups": 3}, {"groups": 1}, {"groups": 4, "layout": "image"}],
 }
 CASES = [(name, options) for name, option_sets in FUSED.items() for options in option_sets]
 

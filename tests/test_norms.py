@@ -170,6 +170,107 @@ def test_scalenorm_is_one_gain_over_the_l2_norm_clamped_at_eps():
     assert_close64(norm.eval()(x), y64.detach(), rtol=1e-5, atol=1e-6)
 
 
+# --- GroupNorm against torch's layers --------------------------------------------------------
+
+GN_C = 12
+
+
+def _gn_step(norm, ref, x, dy, to_ref, from_ref):
+    """Output and gradients (x, weight, bias) of ``norm`` on channels-last ``x`` and of the
+    torch layer ``ref`` on ``to_ref(x)``, mapped back with ``from_ref``, float64."""
+    with torch.no_grad():
+        ref.weight.copy_(norm.weight)
+        ref.bias.copy_(norm.bias)
+    got = module_step(norm, x, dy)
+    xr = x.clone().requires_grad_(True)
+    from_ref(ref(to_ref(xr))).backward(dy)
+    return got, (from_ref(ref(to_ref(x))).detach(), xr.grad, ref.weight.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 6])
+def test_gn_per_token_is_torch_group_norm_on_each_token(groups):
+    """layout token: each token a sample of torch's ``nn.GroupNorm`` (rows ``(B*T, C)``),
+    output and every gradient, in float64; one group is exactly ``nn.LayerNorm``."""
+    norm = random_affine(unnorm.build_norm("gn", GN_C, groups=groups).double())
+    assert norm.groups == groups
+    xs, dys = make_sequence(1, shape=(3, 5, GN_C))
+    x, dy = xs[0].double() * 3 + 1, dys[0].double()
+    ref = torch.nn.GroupNorm(groups, GN_C).double()
+    got, want = _gn_step(norm, ref, x, dy, lambda t: t.reshape(-1, GN_C),
+                         lambda t: t.reshape(x.shape))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    if groups == 1:
+        ln = torch.nn.LayerNorm(GN_C).double()
+        with torch.no_grad():
+            ln.weight.copy_(norm.weight)
+            ln.bias.copy_(norm.bias)
+        torch.testing.assert_close(norm(x), ln(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("groups", [1, 4, GN_C])
+def test_gn_per_example_is_torch_group_norm_and_instance_norm_over_positions(groups):
+    """layout image: torch's ``nn.GroupNorm`` on ``(B, C, T)``; ``groups=C`` is
+    ``nn.InstanceNorm1d`` (affine), each channel over its example's positions."""
+    norm = random_affine(unnorm.build_norm("gn", GN_C, groups=groups, layout="image").double())
+    assert norm.groups == groups
+    xs, dys = make_sequence(1, shape=(3, 5, GN_C))
+    x, dy = xs[0].double() * 3 + 1, dys[0].double()
+    refs = [torch.nn.GroupNorm(groups, GN_C).double()]
+    if groups == GN_C:
+        refs.append(torch.nn.InstanceNorm1d(GN_C, affine=True).double())
+    for ref in refs:
+        got, want = _gn_step(norm, ref, x, dy, lambda t: t.transpose(1, 2),
+                             lambda t: t.transpose(1, 2))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_gn_per_example_with_padding_is_group_norm_of_the_valid_positions():
+    """A padded example's statistics pool its valid positions only, whatever the padding
+    holds (0, 1e6, inf): each example's valid rows equal ``nn.GroupNorm`` on them alone."""
+    norm = random_affine(unnorm.build_norm("gn", GN_C, groups=4, layout="image").double())
+    ref = torch.nn.GroupNorm(4, GN_C).double()
+    with torch.no_grad():
+        ref.weight.copy_(norm.weight)
+        ref.bias.copy_(norm.bias)
+    x = make_sequence(1, shape=(3, 5, GN_C))[0][0].double()
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    pad[2, 1:] = True
+    for fill in (0.0, 1e6, float("inf")):
+        y = norm(x.masked_fill(pad[..., None], fill), pad)
+        for b in range(3):
+            valid = x[b][~pad[b]]
+            want = ref(valid.T[None])[0].T
+            torch.testing.assert_close(y[b][~pad[b]], want.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_gn_statistics_are_float32_under_a_half_input():
+    """bf16 tokens: the output is GroupNorm of the same values in float32, rounded once."""
+    norm = random_affine(unnorm.build_norm("gn", GN_C, groups=3))
+    x = (make_sequence(1, shape=(3, 5, GN_C))[0][0] * 100 + 500).bfloat16()
+    ref = torch.nn.GroupNorm(3, GN_C)
+    ref.load_state_dict(norm.state_dict())
+    want = ref(x.float().reshape(-1, GN_C)).reshape(x.shape).bfloat16()
+    assert torch.equal(norm(x), want)
+
+
+def test_gn_groups_follow_the_grouped_norms_rule():
+    """A ``groups`` that does not divide the channels falls to the largest divisor below it,
+    as BCN's and EvoNorm-S0's; per token a group keeps two channels, per example one may
+    hold one (instance normalisation); a bad value or layout is refused."""
+    assert unnorm.build_norm("gn", 12, groups=5).groups == 4
+    assert unnorm.build_norm("gn", 12, groups=12).groups == 6
+    assert unnorm.build_norm("gn", 12, groups=12, layout="image").groups == 12
+    with pytest.raises(ValueError, match="positive int"):
+        unnorm.build_norm("gn", 12, groups=0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        unnorm.build_norm("gn", 12, layout="batch")
+    with pytest.raises(ValueError, match="position axis"):
+        unnorm.build_norm("gn", 12, layout="image")(torch.randn(4, 12))
+
+
 # --- UN, MABN, PN against the spec's float64 references --------------------------------------
 
 UN_VARIANTS = {

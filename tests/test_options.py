@@ -14,7 +14,7 @@ C = 8
 #: Table 1 and the rivals' releases) or online. A norm not listed declares itself
 #: (``ChannelNorm.offline``, ``offline_for``: ``test_is_offline_is_what_the_built_norm_says``)
 OFFLINE = {"bn", "mabn", "pn", "un", "prepbn"}
-ONLINE = {"ln", "rms", "pn_ls", "nonorm", "dyt", "bcn", "evonorm_b0", "evonorm_s0", "scalenorm"}
+ONLINE = {"ln", "rms", "pn_ls", "nonorm", "dyt", "bcn", "evonorm_b0", "evonorm_s0", "scalenorm", "gn"}
 # (norm, option) for every momentum a registry norm takes: an option named momentum* is an
 # alpha, the weight of the old value
 MOMENTA = [(name, option) for name in unnorm.available_norms()

@@ -16,6 +16,7 @@ from .bcn import BatchChannelNorm
 from .dyt import DynamicTanh
 from .estimated import EstimatedNorm
 from .evonorm import EvoNormB0, EvoNormS0
+from .groupnorm import GroupNorm
 from .fold import (ChannelAffine, FoldedNorm, check_fold_plan, fold_by_plan, fold_into_linear,
                    fold_norms, to_affine)
 from .gns import GNSRecorder, record_gns
@@ -27,6 +28,7 @@ from .registry import (available_norms, build_norm, default_options, has_running
 from .sample import LAYOUTS
 from .scale_invariance import invariance_record, scale_invariance
 from .scalenorm import ScaleNorm
+from .signal import activation_statistics, signal_propagation
 from .sepnorm import SeparateClassNorm, separate_class_norms
 from .simple import BatchNorm, LayerNorm, NoNorm, RMSNorm
 from .stats import StatisticsRecorder, record_statistics
@@ -57,9 +59,9 @@ __all__ = [
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",
     "UnifiedNorm", "DynamicTanh", "ProgressiveRepBN", "BatchChannelNorm", "EvoNormB0", "EvoNormS0",
-    "ScaleNorm",
+    "ScaleNorm", "GroupNorm",
     "SeparateClassNorm", "separate_class_norms", "LAYOUTS", "standardize_weights",
-    "scale_invariance", "invariance_record",
+    "scale_invariance", "invariance_record", "signal_propagation", "activation_statistics",
     "bake_standardized_weights", "StandardizedLinear", "StandardizedConv2d", "EPS_FORMS", "SCALED",
     "ScaledStandardizedLinear", "ScaledStandardizedConv2d", "GradScaler", "LossScaleGuard", "UpdateStart",
     "CompressedRMSNorm", "convert_to_pre_rms", "convert_to_pre_crms", "center_writer",

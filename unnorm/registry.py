@@ -11,6 +11,7 @@ from .base import GuardedNorm
 from .bcn import BatchChannelNorm
 from .dyt import DynamicTanh
 from .evonorm import EvoNormB0, EvoNormS0
+from .groupnorm import GroupNorm
 from .mabn import MovingAverageBatchNorm
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
@@ -50,6 +51,7 @@ _NORMS: dict[str, NormSpec] = {
     "evonorm_b0": NormSpec(EvoNormB0, {}, "EvoNorm-B0: batch and instance std, fused activation"),
     "evonorm_s0": NormSpec(EvoNormS0, {}, "EvoNorm-S0: group std, fused sigmoid activation"),
     "scalenorm": NormSpec(ScaleNorm, {}, "ScaleNorm: each position scaled to one learned L2 norm"),
+    "gn": NormSpec(GroupNorm, {}, "GroupNorm: each token's (or example's) channel groups"),
 }
 
 # Arguments hosts pass to every norm; accepted whether or not the norm uses them.
