@@ -25,11 +25,14 @@ import numpy as np
 from matplotlib.figure import Figure
 from scipy import stats
 
+from analysis.tables import Table
+
 QUANTITIES = ("variance", "similarity", "grad_norm")
 LABELS = {"variance": "activation variance", "similarity": "similarity between samples",
           "grad_norm": "gradient norm", "stable_rank": "stable rank",
           "token_similarity": "similarity between tokens"}
 LEVEL = 0.95
+PLACEMENTS = ["pre", "post", "peri", "mix"]
 
 
 def load(folder: Path) -> list[dict]:
@@ -156,7 +159,7 @@ def depth_figure(records, model: str, depth: int, path: Path) -> None:
     """Rows: variance, similarity, gradient norm; columns: the model's placements; one line
     per norm (mean over seeds) against the block index, at ``depth`` blocks."""
     placements = sorted({r["placement"] for r in records if r["model"] == model},
-                        key=["pre", "post", "peri", "mix"].index)
+                        key=PLACEMENTS.index)
     fig = Figure(figsize=(3.2 * len(placements), 7.5))
     axes = fig.subplots(len(QUANTITIES), len(placements), squeeze=False)
     for row, quantity in enumerate(QUANTITIES):
@@ -177,6 +180,46 @@ def depth_figure(records, model: str, depth: int, path: Path) -> None:
     axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
+
+
+def _interval_text(mean, low, high, digits) -> str:
+    return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+def _welch_text(test: dict, digits: int) -> str:
+    return (f"{_interval_text(test['difference'], test['low'], test['high'], digits)}, "
+            f"p = {test['p']:.2g}")
+
+
+def tables(records: list[dict]) -> list[Table]:
+    """The results page's two tables: the variance's growth exponent per (model, placement,
+    norm), and the smallest group against one group (LN) per (model, placement, layout)."""
+    if not records:
+        return []
+    growth = [[row["model"], row["placement"], row["norm"], str(row["depth"]), str(row["n"]),
+               _interval_text(row["exponent"], row["low"], row["high"], 2),
+               f"{row['last_variance']:.3g}"]
+              for row in sorted(growth_table(records), key=lambda row: (
+                  row["model"], PLACEMENTS.index(row["placement"]), row["norm"]))]
+    groups = [[row["model"], row["placement"], row["layout"], str(row["depth"]),
+               f"{row['small']} vs {row['large']}", f"{row['similarity']['n'][0]} vs "
+               f"{row['similarity']['n'][1]}", _welch_text(row["similarity"], 3),
+               _welch_text(row["first_grad"], 2)] for row in group_table(records)]
+    return [
+        Table("Signal propagation: variance growth at initialisation",
+              ["model", "placement", "norm", "blocks", "n", "exponent k [95% CI]",
+               "last block's variance"], growth,
+              ["k: the least-squares slope of log variance against log block index (variance "
+               "~ l^k; 1 linear, 0 flat), per seed, then its mean and 95% t-interval over the "
+               "n seeds. Records: results/signal/<model>.jsonl (scripts/signal_propagation.py)."]),
+        Table("Signal propagation: group size at initialisation",
+              ["model", "placement", "layout", "blocks", "channels per group", "n",
+               "last block's similarity, smallest - largest", "log10 first / last block's "
+               "gradient norm, smallest - largest"], groups,
+              ["Welch's t-test over seeds, the difference with its 95% interval. The largest "
+               "group per token is LN (one group); per example (`layout=image`) GroupNorm of "
+               "one group."]),
+    ]
 
 
 def main(argv=None) -> None:

@@ -7,7 +7,7 @@ Reads every ``result.json`` under each ``--runs`` folder and the paper's numbers
 ``results/paper/tables.yaml``; writes ``tables.md``, ``tables.tex`` and the headline (UN
 against LN per testbed: ``headline.md``, its forest plot ``headline.png``), and the shift
 benchmark's and the optimizer study's tables (and the former's figure) from the studies kept
-apart (``--studies``: ``analysis.test_time``, ``analysis.optimizer``). From the
+apart (``--studies``: ``analysis.test_time``, ``analysis.optimizer``, ``analysis.signal``). From the
 committed runs it also rewrites the tables the results pages and the README quote
 (``analysis.pages``). A cell of ours is the
 mean +- std over seeds of the runs that learned, with their count; runs that finished no
@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--benchmarks", type=Path, default=ROOT / "results" / "benchmarks")
     parser.add_argument("--studies", type=Path, default=ROOT / "results",
                         help="the folder of the studies kept apart from --runs: optimizer/ (issue "
-                             "49) and test_time/ (the shift benchmark's runs and evaluations)")
+                             "49), test_time/ (the shift benchmark's runs and evaluations) and "
+                             "signal/ (signal propagation at initialisation)")
     parser.add_argument("--out", type=Path, default=COMMITTED_TABLES,
                         help="where tables.md and tables.tex go (default: the committed tables, "
                              "written only from the committed runs)")
