@@ -56,9 +56,10 @@ RECORDS=${RECORDS:-results/runs/cpu}
 # the studies kept apart from the runs above, each in $STUDY_RECORDS/<group>: the shift
 # benchmark's models and their evaluations (test_time: seeds 0-2 of LN ... PRepBN train the main
 # runs again, for their checkpoints, and would count twice) and the optimizer study (its runs
-# would join the other tables' families and their Holm corrections); their own analyses read
+# would join the other tables' families and their Holm corrections) and the graph task's runs
+# (results/graph: their own page, results/graphs.md); their own analyses read
 # them beside the runs above (analysis/test_time.py, analysis/optimizer.py)
-STUDIES="test_time optimizer"
+STUDIES="test_time optimizer graph"
 STUDY_RECORDS=${STUDY_RECORDS:-results}
 # where a record that the current CPU rule would train differently goes when its re-run lands
 # (python -m analysis.runs --superseded: a warm-up shorter than the floor of issue 30)
