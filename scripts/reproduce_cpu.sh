@@ -31,6 +31,9 @@
 #   lm_probes   UN's language-model deficit: its collapse without outlier filtration (statistics
 #               recorded), and each of its phases off at 64 sequences a batch
 #   lm_batch    LN and UN at 4 and 64 sequences per update (16: the lm runs), same tokens
+#   graph       the Graph Transformer on generated CLUSTER and PATTERN and on FreeSolv: BN, LN
+#               and UN first (the release's claim and the project's question), then MABN, PN,
+#               PRepBN, DyT, RMS, GraphNorm and GRANOLA; three seeds (docs/graphs.md)
 #   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
 #               norm-only training with and without the head (three); the base optimizer: the
 #               main runs
@@ -53,9 +56,10 @@ RECORDS=${RECORDS:-results/runs/cpu}
 # the studies kept apart from the runs above, each in $STUDY_RECORDS/<group>: the shift
 # benchmark's models and their evaluations (test_time: seeds 0-2 of LN ... PRepBN train the main
 # runs again, for their checkpoints, and would count twice) and the optimizer study (its runs
-# would join the other tables' families and their Holm corrections); their own analyses read
+# would join the other tables' families and their Holm corrections) and the graph task's runs
+# (results/graph: their own page, results/graphs.md); their own analyses read
 # them beside the runs above (analysis/test_time.py, analysis/optimizer.py)
-STUDIES="test_time optimizer"
+STUDIES="test_time optimizer graph"
 STUDY_RECORDS=${STUDY_RECORDS:-results}
 # where a record that the current CPU rule would train differently goes when its re-run lands
 # (python -m analysis.runs --superseded: a warm-up shorter than the floor of issue 30)
@@ -128,6 +132,7 @@ runs() {  # one line per run: <group>/<name> <overrides...>
     done; done
   done
   lm_runs
+  graph_runs
 }
 
 # translation off the floor and below saturation (results/calibration/translation): LN's BLEU
@@ -276,6 +281,14 @@ lm_runs() {  # the language-modelling testbed (docs/language_modelling.md)
     echo "lm_batch/llama_cpu_$norm-b4-s$seed +exp=llama_71m_$norm recipe.batch_size=4 recipe.micro_batch_size=4 recipe.max_steps=1440 recipe.warmup_steps=144 recipe.eval_every=360 seed=$seed"
     echo "lm_batch/llama_cpu_$norm-b64-s$seed +exp=llama_71m_$norm recipe.batch_size=64 recipe.micro_batch_size=64 recipe.max_steps=90 recipe.warmup_steps=9 recipe.eval_every=30 seed=$seed"
   done; done
+}
+
+graph_runs() {  # the graph task (docs/graphs.md): the release's BN against LN, and UN, first
+  for norms in "bn ln un" "mabn pn prepbn dyt rms graphnorm granola"; do
+    for seed in $PROBE_SEEDS; do for data in cluster pattern freesolv; do for norm in $norms; do
+      echo "graph/graph_transformer_${data}_$norm-s$seed +exp=graph_transformer_${data}_$norm seed=$seed"
+    done; done; done
+  done
 }
 
 lm_ladder_settings() {  # the LM's settings on the learning-rate ladder: <name> <overrides>

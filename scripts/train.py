@@ -61,12 +61,15 @@ def run(cfg: DictConfig) -> float:
     elif cfg.task == "language_modelling":
         from plugins.lm.trainer import CHECKPOINT, train
         metric = "val_loss"
+    elif cfg.task == "graph":
+        from plugins.graph.trainer import CHECKPOINT, train
+        metric = "acc" if cfg.data.name.startswith("sbm_") else "mae"
     elif cfg.task == "detection":
         raise ValueError(f"unknown detection backend {cfg.model.backend!r}; choose "
                          "model.backend=torchvision or model.backend=mmdet")
     else:
         raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification, "
-                         "translation, detection, language_modelling")
+                         "translation, detection, language_modelling, graph")
     out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
     if cfg.resume and not any((out_dir / name).exists() for name in (CHECKPOINT, RESULT_FILE)):
         raise FileNotFoundError(f"resume={cfg.resume}: no {CHECKPOINT} there; pass the run "

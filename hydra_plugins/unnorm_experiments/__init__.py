@@ -11,6 +11,10 @@ Hydra finds it by itself (its plugins live in the ``hydra_plugins`` namespace pa
 every composition sees the names: ``scripts/train.py``, the tests, ``hydra.compose``. A name
 that is none (``check_experiment``) is refused with the closest names, where Hydra's own
 error would list all of them.
+
+The graph norms (``configs/graph_norm``: torch_geometric's and GRANOLA, which only graph
+models take) are stored in the ``norm`` group too, and composed with the settings whose
+task is ``graph`` only: ``+exp=graph_transformer_pattern_granola``.
 """
 from __future__ import annotations
 
@@ -36,12 +40,21 @@ def open_norm_settings(configs: Path = CONFIGS) -> list[str]:
     return settings
 
 
+def graph_settings(configs: Path = CONFIGS) -> set[str]:
+    """The settings of graph models (``task: graph``), which also take the graph norms."""
+    return {path.stem for path in (configs / "exp").glob("*.yaml")
+            if (yaml.safe_load(path.read_text()) or {}).get("task") == "graph"}
+
+
 def experiment_names(configs: Path = CONFIGS) -> dict[str, tuple[str, str]]:
     """``{<setting>_<norm>: (setting, norm)}`` for the names without a file of their own."""
     files = {path.stem for path in (configs / "exp").glob("*.yaml")}
     norms = sorted(path.stem for path in (configs / "norm").glob("*.yaml"))
+    graph_norms = sorted(path.stem for path in (configs / "graph_norm").glob("*.yaml"))
+    graphs = graph_settings(configs)
     return {f"{setting}_{norm}": (setting, norm) for setting in open_norm_settings(configs)
-            for norm in norms if f"{setting}_{norm}" not in files}
+            for norm in norms + (graph_norms if setting in graphs else [])
+            if f"{setting}_{norm}" not in files}
 
 
 def check_experiment(name: str, configs: Path = CONFIGS) -> None:
@@ -60,11 +73,13 @@ def check_experiment(name: str, configs: Path = CONFIGS) -> None:
 def register_experiments(configs: Path = CONFIGS) -> None:
     """Store the names in Hydra's ConfigStore, anew when an experiment or norm file changed
     (Hydra asks before every composition; storing them is most of its cost)."""
-    files = tuple((path.name, path.stat().st_mtime_ns) for kind in ("exp", "norm")
+    files = tuple((path.name, path.stat().st_mtime_ns) for kind in ("exp", "norm", "graph_norm")
                   for path in sorted((configs / kind).glob("*.yaml")))
     if _registered.get(configs) == files:
         return
     store = ConfigStore.instance()
+    for path in sorted((configs / "graph_norm").glob("*.yaml")):
+        store.store(group="norm", name=path.stem, node=yaml.safe_load(path.read_text()))
     for name, (setting, norm) in experiment_names(configs).items():
         store.store(group="exp", name=name, package="_global_",
                     node={"defaults": [setting, {"override /norm": norm}, "_self_"]})
