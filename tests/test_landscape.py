@@ -216,3 +216,27 @@ def test_a_grid_needs_a_positive_rate():
     with pytest.raises(ValueError, match="positive and finite"):
         step_grid(0.0)
     assert step_grid(1.0, 4) == [0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.slow
+def test_mmdet_records_the_landscape_and_trains_as_without(tmp_path):
+    """record_landscape=1 in the mmdet backend (Mask R-CNN, UN; two updates): a row per
+    update, and the final weights bit for bit those of the run without it."""
+    from plugins.checkpoints import load_checkpoint
+    from plugins.mmdet.runner import train
+    from test_mmdet import detection
+    from test_vision import config
+
+    weights = {}
+    for name, more in (("plain", ()), ("probed", ("record_landscape=1",))):
+        run = tmp_path / name
+        result = train(config(*detection(tmp_path, "mask_rcnn_swin_t_un", "record_updates=false",
+                                         "record_scale_invariance=false",
+                                         "scale.max_steps_per_epoch=2", *more)), run)
+        assert result["status"] in ("ok", "chance") and result["steps"] == 2
+        weights[name] = load_checkpoint(run / "epoch_1.pth")["state_dict"]
+    for key, value in weights["plain"].items():
+        assert torch.equal(value, weights["probed"][key]), key
+    rows = _rows(tmp_path / "probed")
+    assert [row["step"] for row in rows] == [0, 1]
+    assert all(len(row["losses"]) == POINTS and row["grad_norm"] > 0 for row in rows)
