@@ -240,3 +240,27 @@ def test_mmdet_records_the_landscape_and_trains_as_without(tmp_path):
     rows = _rows(tmp_path / "probed")
     assert [row["step"] for row in rows] == [0, 1]
     assert all(len(row["losses"]) == POINTS and row["grad_norm"] > 0 for row in rows)
+
+
+def test_the_reader_and_figure_overlay_runs_and_keep_a_steps_last_row(tmp_path):
+    """analysis.landscape on two loop runs (BN, UN): the .json beside the figure holds each
+    run's rows as landscape.jsonl has them; a step written twice (a resumed run's) keeps its
+    last row."""
+    from analysis import landscape
+
+    assert landscape.LANDSCAPE_FILE == LANDSCAPE_FILE
+    for norm in ("bn", "un"):
+        run = tmp_path / "runs" / norm
+        _train(run, norm, batch=8, accumulate=1, updates=5, record_landscape=2)
+        result = json.loads((run / "result.json").read_text())
+        (run / "result.json").write_text(json.dumps({**result, "norm": norm, "seed": 0}))
+    landscape.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    drawn = json.loads((tmp_path / "out" / "None_None_landscape.json").read_text())
+    assert (tmp_path / "out" / "None_None_landscape.png").stat().st_size > 0
+    assert sorted(drawn) == ["BN s0", "UN s0"]
+    assert drawn["UN s0"] == _rows(tmp_path / "runs" / "un")
+
+    with open(tmp_path / "runs" / "un" / LANDSCAPE_FILE, "a") as handle:
+        handle.write(json.dumps({**drawn["UN s0"][1], "loss": -1.0}) + "\n")
+    rows = landscape.read_landscape(tmp_path / "runs" / "un")
+    assert [row["step"] for row in rows] == [0, 2, 4] and rows[1]["loss"] == -1.0
