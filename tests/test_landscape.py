@@ -196,6 +196,19 @@ def test_accumulation_and_a_loss_scaler_change_no_training(tmp_path):
     assert [row["grad_norm"] for row in scaled] == [row["grad_norm"] for row in unscaled]
 
 
+def test_sam_changes_no_training(tmp_path):
+    """With SAM (UN: its second pass returns the norms to the update's start) the probe,
+    along the first pass's gradient, leaves training bit for bit as it was."""
+    sam = {"name": "sam", "rho": 0.05, "adaptive": False, "only_norm": False}
+    plain, _ = _train(tmp_path / "plain", "un", batch=8, accumulate=1, updates=3, dropout=0.2,
+                      sam=sam)
+    probed, _ = _train(tmp_path / "probed", "un", batch=8, accumulate=1, updates=3, dropout=0.2,
+                       sam=sam, record_landscape=1)
+    for (name, a), b in zip(plain.state_dict().items(), probed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert len(_rows(tmp_path / "probed")) == 3
+
+
 def test_a_resume_keeps_the_probes_of_the_epochs_its_checkpoint_covers(tmp_path):
     """restore_epochs drops landscape.jsonl's rows of epochs after the checkpoint's."""
     run = RunDirectory(tmp_path)
