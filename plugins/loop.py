@@ -191,13 +191,16 @@ class EpochLoop:
             self.sam.new_update()
         probe = (self.landscape.start() if self.landscape is not None
                  and self.landscape.due(self.step) else None)
+        # each probe point gets the batch as the update got it: a forward may change its batch
+        # in place (timm's mixup mixes the images tensor it is given)
+        batches = _copied(micro_batches) if probe is not None else None
         update_sums = self._accumulate(net, micro_batches, forward)
         if probe is not None:  # along the gradient just computed, before anything uses it
-            probe_update(self.landscape, probe,
-                         lambda: self.world.mean(self._accumulate(net, micro_batches, forward)["loss"]),
-                         self.world.mean(update_sums["loss"]), step=self.step,
-                         epoch=self.epoch + 1, lr=self.optimizer.param_groups[0]["lr"],
-                         scaler=self.scaler)
+            probe_update(
+                self.landscape, probe,
+                lambda: self.world.mean(self._accumulate(net, _copied(batches), forward)["loss"]),
+                self.world.mean(update_sums["loss"]), step=self.step, epoch=self.epoch + 1,
+                lr=self.optimizer.param_groups[0]["lr"], scaler=self.scaler)
         if self.sam is not None:  # the second pass, at the perturbed weights
             self.sam.perturbed_gradient(lambda: backward(
                 _total(forward(micro_batches[0])), self.scaler))
@@ -319,6 +322,18 @@ def sharpness_aware(cfg: DictConfig, model: nn.Module, world: Distributed) -> Op
 def _total(losses: Losses) -> torch.Tensor:
     """The loss a forward returned, or the sum of its parts."""
     return sum(losses.values()) if isinstance(losses, Mapping) else losses
+
+
+def _copied(batch):
+    """A copy of a batch's tensors, in its lists, tuples and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, Mapping):
+        return type(batch)((key, _copied(value)) for key, value in batch.items())
+    if isinstance(batch, (list, tuple)):
+        values = [_copied(value) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)
+    return batch
 
 
 def _updates(batches: Iterable, count: int, accumulate: int):

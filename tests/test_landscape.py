@@ -277,3 +277,58 @@ def test_the_reader_and_figure_overlay_runs_and_keep_a_steps_last_row(tmp_path):
         handle.write(json.dumps({**drawn["UN s0"][1], "loss": -1.0}) + "\n")
     rows = landscape.read_landscape(tmp_path / "runs" / "un")
     assert [row["step"] for row in rows] == [0, 2, 4] and rows[1]["loss"] == -1.0
+
+
+@pytest.mark.slow
+def test_a_classification_run_with_mixup_trains_as_without(tmp_path):
+    """Swin-T with UN at scale=cpu, mixup and cutmix on (timm's Mixup draws from numpy),
+    record_landscape=1 over three updates: last.pt's weights and every buffer are bit for bit
+    those of the run without it, and each update has its row."""
+    from plugins.checkpoints import load_checkpoint
+    from plugins.timm.trainer import train
+    from test_vision import QUICK, config
+
+    mixup = "recipe.mixup={mixup_alpha:0.8,cutmix_alpha:1.0,prob:1.0,switch_prob:0.5,mode:batch}"
+    states = {}
+    for name, more in (("plain", ()), ("probed", ("record_landscape=1",))):
+        result = train(config("+exp=swin_t_un", *QUICK, mixup, *more), tmp_path / name)
+        assert result["status"] in ("ok", "chance") and result["steps"] == 3
+        states[name] = load_checkpoint(tmp_path / name / "last.pt")["model"]
+    for key, value in states["plain"].items():
+        assert torch.equal(value, states["probed"][key]), key
+    assert [row["step"] for row in _rows(tmp_path / "probed")] == [0, 1, 2]
+
+
+def test_a_forward_that_changes_its_batch_in_place_is_probed_on_the_updates_batch(tmp_path):
+    """timm's mixup mixes the images tensor it is given: a forward that scales its batch in
+    place gives the same rows, and trains the same, as one that scales a copy."""
+    from test_loop import _cfg
+
+    from plugins.distributed import Distributed
+    from plugins.loop import EpochLoop
+    from timm.scheduler import create_scheduler_v2
+
+    def run(name, in_place):
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 5, C), torch.randn(32, 5, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(C, C), unnorm.build_norm("bn", C),
+                                    torch.nn.Linear(C, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=1,
+                                           step_on_epochs=False, updates_per_epoch=3)
+        loop = EpochLoop(_cfg(record_landscape=1), tmp_path / name, Distributed("cpu"),
+                         RunDirectory(tmp_path / name), model, optimizer, scheduler, None)
+
+        def forward(batch):
+            x, y = batch
+            x = x.mul_(2.0) if in_place else x * 2.0
+            return torch.nn.functional.mse_loss(model(x), y)
+
+        loop.fit(model, data, 8, None, 3, 1, forward=forward, evaluate=lambda e: {}, meta={},
+                 init="scratch")
+        return model, _rows(tmp_path / name)
+
+    (copied, copied_rows), (changed, changed_rows) = run("copy", False), run("in_place", True)
+    assert changed_rows == copied_rows
+    for (name, a), b in zip(copied.state_dict().items(), changed.state_dict().values()):
+        assert torch.equal(a, b), name
