@@ -332,3 +332,24 @@ def test_a_forward_that_changes_its_batch_in_place_is_probed_on_the_updates_batc
     assert changed_rows == copied_rows
     for (name, a), b in zip(copied.state_dict().items(), changed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_translation_launcher_passes_the_interval_and_the_run_folder(tmp_path):
+    from pathlib import Path
+
+    from plugins.fairseq.launcher import train_command
+    from plugins.scale import effective_config
+    from test_vision import config
+
+    class Env:
+        def module(self, name):
+            return ["python", "-m", name]
+
+    def command(*more):
+        cfg = effective_config(config("+exp=iwslt14_un", "scale=cpu", *more), [], {})
+        return train_command(cfg, Env(), Path("/data"), tmp_path / "checkpoints")
+
+    probed = command("record_landscape=5")
+    at = probed.index("--record-landscape")
+    assert probed[at:at + 4] == ["--record-landscape", "5", "--landscape-dir", str(tmp_path)]
+    assert "--record-landscape" not in command()
