@@ -353,3 +353,10 @@ def test_the_translation_launcher_passes_the_interval_and_the_run_folder(tmp_pat
     at = probed.index("--record-landscape")
     assert probed[at:at + 4] == ["--record-landscape", "5", "--landscape-dir", str(tmp_path)]
     assert "--record-landscape" not in command()
+
+
+def test_the_taps_record_nothing_of_a_probe(tmp_path):
+    """record_gns with record_landscape=1: one GNS record per update, as without probes."""
+    _train(tmp_path, "un", batch=8, accumulate=1, updates=4, record_gns=True, record_landscape=1)
+    saved = torch.load(tmp_path / "gns" / "epoch_0001.pt", weights_only=True)
+    assert saved["layers"]["1"]["examples"].tolist() == [8.0] * 4
