@@ -1,7 +1,7 @@
 """The training loop every trainer of ours shares (classification, torchvision detection,
 language modelling): epochs of optimizer updates (with gradient accumulation), the collapse
 watch, the replicas' norm state made one before each evaluation and save, metrics, statistics
-taps, checkpoints and resume, the result.
+taps, landscape probes, checkpoints and resume, the result.
 
 The run skeleton (``plugins.training.train``) builds a task's data, model, optimizer and
 schedule, then hands the loop what differs between tasks: how a batch becomes a loss
@@ -28,6 +28,7 @@ from tqdm import tqdm
 import unnorm
 from plugins.checkpoints import Checkpointer
 from plugins.distributed import Distributed
+from plugins.landscape import LandscapeRecorder, landscape_interval, probe_update, trained
 from plugins.optim import UpdateRecord, clip_gradients
 from plugins.runlog import (CollapseDetector, RunDirectory, TrainingCollapsed, config_differences,
                             metrics_row, record_collapse, rejected_steps, run_logger, save_gns,
@@ -72,6 +73,11 @@ class EpochLoop:
         self.sam = sharpness_aware(cfg, model, world)
         # record_updates=true: each epoch's effective steps and projections (metrics.jsonl)
         self.updates = UpdateRecord(optimizer) if cfg.get("record_updates") else None
+        # record_landscape=k: every k-th update's loss landscape (landscape.jsonl)
+        every = landscape_interval(cfg.get("record_landscape"))
+        self.landscape = (LandscapeRecorder(every, model, trained(optimizer), world.device)
+                          if every else None)
+        self.epoch = 0  # the epoch being trained (0-based), for the landscape's rows
         self.taps: dict = {}  # fit's statistics and GNS taps, and its logger
         self.logger = None
 
@@ -124,6 +130,7 @@ class EpochLoop:
                 self.taps["gns"] = unnorm.record_gns(self.stats_module, example_dim=0,
                                                      loss_multiplier=1 / accumulate)
             for epoch in range(self.start_epoch, epochs):
+                self.epoch = epoch
                 net.train()
                 progress = self._batches(train_set, batch_size, sampler, collate_fn, epoch, epochs,
                                          steps_per_epoch * accumulate)
@@ -146,6 +153,8 @@ class EpochLoop:
             if "stats" in self.taps:  # the statistics up to the collapse: what explains it
                 save_statistics(self.run, epoch, [*tally.chunks.get("stats", []),
                                                   self.taps["stats"].flush()])
+            if self.landscape is not None:  # the probes up to the collapse
+                self.landscape.write(self.run)
             meta.update(**rejected_steps(self.model.state_dict()))
             result = record_collapse(self.run, collapse, self.metrics, meta)
         finally:
@@ -173,13 +182,42 @@ class EpochLoop:
                 after_update: Optional[Callable[[int], None]], clip_grad: Optional[float],
                 agc: Optional[float] = None) -> dict:
         """One optimizer update: the gradients of its micro-batches accumulated (the loss of
-        each divided by their number), SAM's second pass, clipping, the step, the schedule's
-        step and ``after_update``, then the collapse watch. Returns the update's losses (each
+        each divided by their number), a due landscape probe along them (``record_landscape``;
+        it leaves everything as it found it), SAM's second pass, clipping, the step, the
+        schedule's step and ``after_update``, then the collapse watch. Returns the update's losses (each
         the mean over its micro-batches)."""
-        accumulate = len(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         if self.sam is not None:
             self.sam.new_update()
+        probe = (self.landscape.start() if self.landscape is not None
+                 and self.landscape.due(self.step) else None)
+        # each probe point gets the batch as the update got it: a forward may change its batch
+        # in place (timm's mixup mixes the images tensor it is given)
+        batches = _copied(micro_batches) if probe is not None else None
+        update_sums = self._accumulate(net, micro_batches, forward)
+        if probe is not None:  # along the gradient just computed, before anything uses it
+            probe_update(
+                self.landscape, probe,
+                lambda: self.world.mean(self._accumulate(net, _copied(batches), forward)["loss"]),
+                self.world.mean(update_sums["loss"]), step=self.step, epoch=self.epoch + 1,
+                lr=self.optimizer.param_groups[0]["lr"], scaler=self.scaler)
+        if self.sam is not None:  # the second pass, at the perturbed weights
+            self.sam.perturbed_gradient(lambda: backward(
+                _total(forward(micro_batches[0])), self.scaler))
+        with self.updates.step() if self.updates is not None else nullcontext():
+            optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters(), agc)
+        self.step += 1
+        self.scheduler.step_update(num_updates=self.step)
+        if after_update is not None:
+            after_update(self.step)
+        self.detector.update(self.step, self.world.mean(update_sums["loss"]))
+        return update_sums
+
+    def _accumulate(self, net: nn.Module, micro_batches: list,
+                    forward: Callable[[object], Losses]) -> dict[str, torch.Tensor]:
+        """The update's gradients, accumulated over its micro-batches (the loss of each
+        divided by their number); returns the losses, each the mean over the micro-batches."""
+        accumulate = len(micro_batches)
         update_sums: dict[str, torch.Tensor] = {}
         for index, batch in enumerate(micro_batches):
             last = index == accumulate - 1  # DDP reduces the gradients once, at the last
@@ -192,16 +230,6 @@ class EpochLoop:
                 backward(loss / accumulate, self.scaler)
             for name, value in {"loss": loss, **parts}.items():
                 update_sums[name] = update_sums.get(name, 0) + value.detach().float() / accumulate
-        if self.sam is not None:  # the second pass, at the perturbed weights
-            self.sam.perturbed_gradient(lambda: backward(
-                _total(forward(micro_batches[0])), self.scaler))
-        with self.updates.step() if self.updates is not None else nullcontext():
-            optimizer_step(self.optimizer, self.scaler, clip_grad, self.model.parameters(), agc)
-        self.step += 1
-        self.scheduler.step_update(num_updates=self.step)
-        if after_update is not None:
-            after_update(self.step)
-        self.detector.update(self.step, self.world.mean(update_sums["loss"]))
         return update_sums
 
     def _end_epoch(self, epoch: int, epochs: int, tally: _Epoch, evaluate: Callable[[int], dict],
@@ -226,6 +254,8 @@ class EpochLoop:
             save_statistics(self.run, epoch, tally.chunks["stats"])
         if "gns" in self.taps:  # what one record's examples are within an update
             save_gns(self.run, epoch, tally.chunks["gns"], gns_batch)
+        if self.landscape is not None:
+            self.landscape.write(self.run)
         if world.main:
             print(f"epoch {epoch + 1}/{epochs} step {self.step} loss "
                   f"{self.metrics['train_loss']:.4f} {summary(self.metrics)}".rstrip())
@@ -292,6 +322,18 @@ def sharpness_aware(cfg: DictConfig, model: nn.Module, world: Distributed) -> Op
 def _total(losses: Losses) -> torch.Tensor:
     """The loss a forward returned, or the sum of its parts."""
     return sum(losses.values()) if isinstance(losses, Mapping) else losses
+
+
+def _copied(batch):
+    """A copy of a batch's tensors, in its lists, tuples and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, Mapping):
+        return type(batch)((key, _copied(value)) for key, value in batch.items())
+    if isinstance(batch, (list, tuple)):
+        values = [_copied(value) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)
+    return batch
 
 
 def _updates(batches: Iterable, count: int, accumulate: int):

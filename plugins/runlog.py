@@ -36,7 +36,8 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "run.lock"  # held by the run writing the folder (flock), names its holder
 #: options a resume may change (the record switches too: a run from before them resumes)
-RESUME_KEYS = {"resume", "trust_checkpoint", "record_scale_invariance", "record_updates"}
+RESUME_KEYS = {"resume", "trust_checkpoint", "record_scale_invariance", "record_updates",
+               "record_landscape"}
 #: keys a run's config.yaml recorded before Hydra composed the scale (issue 45): the scale's
 #: variants inside the model and recipe (merged in, so recorded twice) and the scale's data
 #: names (the data itself recorded); and the recipe's optimizer before ``optimizer=`` (issue
@@ -57,6 +58,7 @@ PROBE_EXAMPLES = 16
 DETECTION_PROBE_EXAMPLES = 2
 FINISHED = ("ok", "chance")  # statuses of a run that trained to its end (FAIL: collapsed)
 EPOCH_FOLDERS = ("stats", "gns")  # per-epoch records: <folder>/epoch_XXXX.pt
+LANDSCAPE_FILE = "landscape.jsonl"  # record_landscape's probes, a row each (plugins.landscape)
 
 
 def config_differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
@@ -277,18 +279,21 @@ class RunDirectory:
         covers, before a resume runs the next: ``metrics.jsonl`` loses the rows of later
         epochs (an epoch killed after its row) and a torn last line, and gains epoch
         ``epochs``'s ``row`` (kept in its checkpoint) when a kill came between the checkpoint
-        and the row; ``stats/`` and ``gns/`` lose the files of later epochs."""
+        and the row; ``landscape.jsonl`` loses the rows of later epochs (and a torn last line);
+        ``stats/`` and ``gns/`` lose the files of later epochs."""
         if not self.writer:
             return
-        path = self.path / METRICS_FILE
-        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        kept = [line for line in lines if _row_epoch(line, path) <= epochs]
-        if row is not None and not any(_row_epoch(line, path) == epochs for line in kept):
-            kept.append(row)
-        if kept != lines:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+        for name in (METRICS_FILE, LANDSCAPE_FILE):
+            path = self.path / name
+            lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+            kept = [line for line in lines if _row_epoch(line, path) <= epochs]
+            if name == METRICS_FILE and row is not None and not any(
+                    _row_epoch(line, path) == epochs for line in kept):
+                kept.append(row)
+            if kept != lines:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(kept))
+                os.replace(tmp, path)
         for folder in EPOCH_FOLDERS:
             for record in (self.path / folder).glob("epoch_*.pt"):
                 if int(record.stem.split("_")[1]) > epochs:

@@ -11,6 +11,7 @@ of fairseq's environment (the main one cannot import fairseq):
     .venv-fairseq/bin/python tests/fairseq_checks.py gns DATA_BIN RUN_DIR
     .venv-fairseq/bin/python tests/fairseq_checks.py nf DATA_BIN
     .venv-fairseq/bin/python tests/fairseq_checks.py updates DATA_BIN
+    .venv-fairseq/bin/python tests/fairseq_checks.py landscape DATA_BIN
 
 Each prints a JSON summary (the tests assert on it) and exits non-zero, with the reason, when
 a check cannot be made.
@@ -32,7 +33,8 @@ from timm.utils.agc import adaptive_clip_grad
 import unnorm
 from plugins.fairseq.checkpoints import load
 from plugins.fairseq.flags import UPDATES
-from plugins.fairseq.train import GuardedTrainer, adaptive_clipping, recording_updates
+from plugins.fairseq.train import (GuardedTrainer, adaptive_clipping, landscape_every,
+                                   recording_updates)
 from plugins.runlog import SCALE_INVARIANCE_FILE
 from unnorm.ws import StandardizedWeight
 
@@ -547,7 +549,41 @@ def check_updates(data: str) -> dict:
     return summary
 
 
-CHECKS = {"nf": check_nf, "padding": check_padding, "same-weights": check_same_weights,
+def check_landscape(data: str) -> dict:
+    """``--record-landscape 1`` in GuardedTrainer: three updates of the tiny model with UN and
+    dropout, against the same three without it. Reports whether the weights, every buffer and
+    the losses came out bit for bit the same, the rows written, and the refusals."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for name, flags in (("plain", ()), ("probed", ("--record-landscape", "1", "--landscape-dir",
+                                                       run_dir))):
+            cfg, task, batches = setup(data, "un", "--dropout", "0.1", "--optimizer", "adam",
+                                       "--lr", "1e-3", *flags)
+            torch.manual_seed(1)
+            trainer = GuardedTrainer(cfg, task, task.build_model(cfg.model),
+                                     task.build_criterion(cfg.criterion))
+            trainer.begin_epoch(1)
+            losses = [trainer.train_step([batch])["loss"] for batch in batches[:3]]
+            runs[name] = (trainer.get_model().state_dict(), losses)
+        rows = [json.loads(line) for line in (Path(run_dir) / "landscape.jsonl").read_text().splitlines()]
+    (plain, plain_losses), (probed, probed_losses) = runs["plain"], runs["probed"]
+    refusals = {}
+    for name, flags in {"fp16": ("--fp16",), "sam": ("--sam", "true"),
+                        "no_dir": ()}.items():
+        try:
+            landscape_every(setup(data, "ln", "--record-landscape", "2",
+                                  *(() if name == "no_dir" else ("--landscape-dir", "x")), *flags)[0])
+            refusals[name] = None
+        except ValueError as refusal:
+            refusals[name] = str(refusal)
+    # fairseq's positions keep an uninitialised one-element tensor for its dtype only
+    return {"same_state": all(torch.equal(value, probed[key]) for key, value in plain.items()
+                              if not key.endswith("._float_tensor")),
+            "same_losses": plain_losses == probed_losses, "losses": probed_losses,
+            "rows": rows, "refusals": refusals}
+
+
+CHECKS = {"landscape": check_landscape, "nf": check_nf, "padding": check_padding, "same-weights": check_same_weights,
           "precision": check_precision,
           "groups": check_groups, "sepnorm": check_sepnorm, "skipped-update": check_skipped_update,
           "loss-scale": check_loss_scale, "norm-state": check_norm_state, "gns": check_gns,

@@ -436,6 +436,22 @@ def test_the_trainer_records_each_epochs_updates(synthetic_data):
     assert "drop --record-updates (record_updates=false)" in summary["fully_sharded"]
 
 
+def test_the_trainer_records_the_landscape_and_trains_as_without(synthetic_data):
+    """--record-landscape 1 (record_landscape=1) in plugins.fairseq.train: three updates of
+    the tiny model with UN and dropout train bit for bit as without it (weights, every
+    buffer, losses), with a row per update at fairseq's rate; refused, by backend and reason,
+    under --fp16, with --sam and without a run directory."""
+    summary = fairseq_python("tests/fairseq_checks.py", "landscape", str(synthetic_data))
+    assert summary["same_state"] and summary["same_losses"]
+    rows = summary["rows"]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert all(len(row["losses"]) == 8 and row["grad_norm"] > 0 and row["lr"] > 0 for row in rows)
+    refusals = summary["refusals"]
+    assert all("not available in the fairseq backend" in refusals[name] for name in refusals)
+    assert "--fp16" in refusals["fp16"] and "--sam" in refusals["sam"]
+    assert "--landscape-dir" in refusals["no_dir"]
+
+
 def test_each_epoch_row_of_a_translation_run_holds_its_updates(learned):
     """record_updates=true (the default) through the launcher: fairseq's log carries each
     epoch's record, which becomes that epoch's ``kind: train`` row of metrics.jsonl, with one

@@ -15,28 +15,35 @@ from plugins.runlog import RunDirectory
 C, SAMPLES = 6, 48
 
 
-def _cfg(record_gns: bool = False):
+def _cfg(record_gns: bool = False, record_landscape: int = 0, sam: dict | None = None):
     return OmegaConf.create({
         "exp_name": "loop", "seed": 0, "norm_sync": "reduce", "record_statistics": False,
-        "record_gns": record_gns, "trust_checkpoint": False, "logger": {"name": "none"}, "scale": {"num_workers": 0},
+        "record_gns": record_gns, "record_landscape": record_landscape, "sam": sam,
+        "trust_checkpoint": False, "logger": {"name": "none"}, "scale": {"num_workers": 0},
         "collapse": {"loss_multiple": 5.0, "ema": 0.9, "min_steps": 50, "check_every": 4}})
 
 
 def _train(tmp_path, norm: str, batch: int, accumulate: int, updates: int,
-           record_gns: bool = False):
+           record_gns: bool = False, record_landscape: int = 0, dropout: float = 0.0,
+           scaler: bool = False, sam: dict | None = None):
     """``updates`` SGD updates of a linear-norm-linear regression, each over
-    ``batch * accumulate`` samples; returns the model and the run's result."""
+    ``batch * accumulate`` samples; returns the model and the run's result. ``dropout``
+    adds a dropout after the norm (the run's RNG draws), ``scaler`` unnorm's GradScaler
+    (float32: its scale and the norms' guard without autocast), ``sam`` a ``configs/sam``
+    entry."""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 5, C), torch.randn(SAMPLES, 5, 1))
     options = {"warmup_iters": 2, "window_size": 2} if norm == "un" else {}
     model = torch.nn.Sequential(torch.nn.Linear(C, C), unnorm.build_norm(norm, C, **options),
+                                *([torch.nn.Dropout(dropout)] if dropout else []),
                                 torch.nn.Linear(C, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # not scale-free
     scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=1, warmup_epochs=0,
                                        step_on_epochs=False, updates_per_epoch=updates)
-    cfg, world = _cfg(record_gns), Distributed("cpu")
+    cfg, world = _cfg(record_gns, record_landscape, sam), Distributed("cpu")
     run = RunDirectory(tmp_path)
-    loop = EpochLoop(cfg, tmp_path, world, run, model, optimizer, scheduler, None)
+    loop = EpochLoop(cfg, tmp_path, world, run, model, optimizer, scheduler,
+                     unnorm.GradScaler(model, "cpu", init_scale=2.0 ** 10) if scaler else None)
 
     def forward(batch):
         x, y = batch

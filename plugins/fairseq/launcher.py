@@ -39,7 +39,9 @@ Settings of ``configs/train.yaml``, as translation takes them:
   the model is exactly scale-invariant in at its start, as the other tasks do (found by
   ``plugins.fairseq.train``); ``record_updates`` adds each epoch's effective steps and
   AdamP/SGDP projections (``plugins.optim.UpdateRecord``, measured there) to that epoch's
-  ``kind: train`` row of ``metrics.jsonl``; ``ws=nf`` and ``recipe.agc`` are the
+  ``kind: train`` row of ``metrics.jsonl``; ``record_landscape=k`` probes every k-th
+  update's loss landscape into the run folder's ``landscape.jsonl`` (``plugins.landscape``,
+  measured there; float32 on one process); ``ws=nf`` and ``recipe.agc`` are the
   normalizer-free baseline (the model's ``--weight-standardization`` and ``--agc``).
 * ``optimizer=<name>`` is fairseq's optimizer of that algorithm with every option stated
   (``optimizer_flags``: ``adamw`` fairseq's adam, whose decay is decoupled; ``adamp`` and
@@ -63,6 +65,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from plugins.landscape import landscape_interval
 from plugins.model_options import WS_OPTIONS, as_patterns
 from plugins.norms import fit_norm_to_run, norm_kwargs
 from plugins.optim import optimizer_options
@@ -330,6 +333,9 @@ def train_command(cfg: DictConfig, env: FairseqEnv, data: Path, save_dir: Path,
         command += ["--record-scale-invariance", str(save_dir.parent)]
     if cfg.get("record_updates"):
         command += ["--record-updates"]
+    if landscape_interval(cfg.get("record_landscape")):
+        command += ["--record-landscape", str(cfg.record_landscape), "--landscape-dir",
+                    str(save_dir.parent)]
     command += sam_flags(_container(cfg.get("sam"))) + train_only_flags(cfg.train_only)
     command += standardization_flags(cfg.model)
     if cfg.recipe.get("agc") is not None:

@@ -63,6 +63,18 @@ an update skipped before its step (an ``--fp16`` overflow) is left out, as the G
 leave it out, while a step ``--amp``'s scaler skips counts as 0, as in the other tasks. It is
 refused with ``--ddp-backend fully_sharded`` (flat shards of the weights).
 
+With ``--record-landscape K --landscape-dir RUN_DIR`` (``record_landscape=K``) every K-th
+update probes the loss landscape along its gradient (``plugins.landscape``): fairseq's
+gradient as its clipping receives it (summed over the update's micro-batches, divided by
+its tokens), the loss the criterion's sum over them divided by the same count (nats per
+token, not fairseq's logged base 2), each step size's point the update's forward and
+backward of its samples again, from fairseq's seed for the update (its dropout masks).
+Each row is appended to ``RUN_DIR/landscape.jsonl`` at once; a resumed run probes the
+updates it trains again anew (``analysis.landscape`` keeps a step's last row). Refused, by
+name, under ``--fp16``/``--amp``/``--bf16`` (fairseq's optimizers step a float32 copy the
+probe does not step along), on more than one process (the probe would have to repeat
+fairseq's reduction of the sample sizes) and with ``--sam``.
+
 The trainer prints the perturbed set's size and share, and what it trains as one
 ``plugins.fairseq.flags.TRAINED`` line, which the launcher records in ``result.json``
 (``trainable_parameters``, ``sam_perturbed_parameters``).
@@ -84,6 +96,7 @@ from timm.utils.agc import adaptive_clip_grad
 
 import unnorm
 from plugins.fairseq.flags import UPDATES, sam_entry, trained_line
+from plugins.landscape import LandscapeRecorder, probe_update
 from plugins.optim import UpdateRecord
 from plugins.runlog import (PROBE_EXAMPLES, SCALE_INVARIANCE_FILE, RunDirectory, save_gns,
                             write_scale_invariance)
@@ -178,6 +191,29 @@ def recording_updates(cfg) -> bool:
     return True
 
 
+def landscape_every(cfg) -> int:
+    """``--record-landscape``'s updates between probes (0: off), refused where the probe
+    cannot step along fairseq's gradient (the module docstring)."""
+    every = getattr(cfg.model, "record_landscape", 0) or 0
+    if not every:
+        return 0
+    half = [flag for flag in ("fp16", "memory_efficient_fp16", "amp", "bf16")
+            if getattr(cfg.common, flag, False)]
+    why = (f"--{half[0].replace('_', '-')}: fairseq's half-precision optimizers step a float32 "
+           "copy of the weights, apart from the ones the probe would step" if half else
+           f"{cfg.distributed_training.distributed_world_size} processes: the probe runs on one"
+           if cfg.distributed_training.distributed_world_size > 1 else
+           "--sam: its second pass replaces the gradient the probe steps along"
+           if getattr(cfg.model, "sam", False) else
+           "no --landscape-dir to write landscape.jsonl into"
+           if not getattr(cfg.model, "landscape_dir", None) else None)
+    if why is not None:
+        raise ValueError(f"--record-landscape (record_landscape={every}) is not available in the "
+                         f"fairseq backend with {why}; train in float32 (amp=false) on one "
+                         "process without sam, or record_landscape=0")
+    return every
+
+
 def output_projection(model):
     """The head of ``--train-only norm+head``: the decoder's output projection, refused where
     it is an embedding's weight too (training it would train the input embeddings)."""
@@ -217,6 +253,50 @@ class GuardedTrainer(Trainer):
         self.updates = None  # --record-updates: an UpdateRecord from the first epoch on
         self.record_updates = recording_updates(cfg)
         self.sam = self._train_through_the_norms(cfg, self.get_model())
+        self.landscape, self._probe, self._epoch = self._record_landscape(cfg), None, 1
+
+    def _record_landscape(self, cfg):
+        """``--record-landscape``'s recorder (or None); the task's ``train_step`` keeps each
+        probed update's losses and token counts (``_probe``)."""
+        every = landscape_every(cfg)
+        if not every:
+            return None
+        model = self.get_model()
+        self.landscape_run = RunDirectory(Path(cfg.model.landscape_dir),
+                                          writer=self.is_data_parallel_master)
+        self._plain_train_step = task_step = self.task.train_step
+
+        def kept(*args, **kwargs):
+            outputs = task_step(*args, **kwargs)
+            if self._probe is not None:
+                self._probe[2].append((outputs[0].detach(), outputs[1]))
+            return outputs
+        self.task.train_step = kept
+        return LandscapeRecorder(every, model, [p for p in model.parameters() if p.requires_grad],
+                                 next(model.parameters()).device)
+
+    def _probe_landscape(self) -> None:
+        """The update's landscape along the gradient fairseq is about to clip (the module
+        docstring), appended to ``landscape.jsonl``."""
+        probe, samples, outputs = self._probe
+        self._probe = None
+
+        def evaluate() -> torch.Tensor:
+            self._set_seed()  # fairseq's seed of the update: its dropout masks
+            total, tokens = 0.0, 0
+            for sample in samples:
+                sample, dummy = self._prepare_sample(sample)
+                loss, size, _ = self._plain_train_step(
+                    sample=sample, model=self.model, criterion=self.criterion,
+                    optimizer=self.optimizer, update_num=self.get_num_updates(), ignore_grad=dummy)
+                total, tokens = total + loss.detach(), tokens + size
+            self.optimizer.multiply_grads(1.0 / float(tokens))
+            return total / float(tokens)
+
+        loss = sum(value for value, _ in outputs) / float(sum(size for _, size in outputs))
+        probe_update(self.landscape, probe, evaluate, loss, step=self.get_num_updates(),
+                     epoch=self._epoch, lr=self.get_lr())
+        self.landscape.write(self.landscape_run)
 
     def _train_through_the_norms(self, cfg, model):
         """``--train-only``'s freeze (fairseq builds its optimizer, of the trainable
@@ -255,7 +335,10 @@ class GuardedTrainer(Trainer):
 
     def clip_grad_norm(self, clip_norm):
         """fairseq's clipping by the global norm, or with ``--agc`` its unclipped norm and
-        the adaptive clipping (the module docstring)."""
+        the adaptive clipping (the module docstring); a due landscape probe first, along the
+        gradient as it comes here."""
+        if self._probe is not None:
+            self._probe_landscape()
         if self.agc is None:
             return super().clip_grad_norm(clip_norm)
         grad_norm = super().clip_grad_norm(0.0)  # 0: fairseq computes the norm, clips nothing
@@ -266,6 +349,7 @@ class GuardedTrainer(Trainer):
         """Also saves the previous epoch's GNS records (fairseq calls this before each epoch's
         first update, and nothing at an epoch's end) and, with ``--record-updates``, has the
         epoch's statistics carry its record of the updates (``_record_updates``)."""
+        self._epoch = epoch
         if self.gns:
             self.gns.begin_epoch(epoch)
         if self.record_updates:
@@ -311,9 +395,12 @@ class GuardedTrainer(Trainer):
             self._second_pass_due = True
         self._updating = True
         updates = self.get_num_updates()
+        if self.landscape is not None and self.landscape.due(updates):
+            self._probe = (self.landscape.start(), samples, [])  # before the first forward
         try:
             return super().train_step(samples, raise_oom)
         finally:
+            self._probe = None
             if self._updating:
                 self._end_update(self.get_num_updates() == updates)
 

@@ -33,7 +33,9 @@ Conventions shared with the other trainers:
   (``UnnormRunHook``): ``result.json``'s ``scale_invariant``, from the training losses of a
   float64 copy on two training images before the first update, and each epoch's effective
   steps and AdamP/SGDP projections in ``metrics.jsonl``; ``record_statistics`` and
-  ``record_gns`` are refused (the shared loop's taps).
+  ``record_gns`` are refused (the shared loop's taps). ``record_landscape=k`` probes every
+  k-th update's landscape (``LandscapeStep``, ``plugins.landscape``; refused with SAM and
+  with gradient accumulation).
 - Checkpoints load with ``weights_only=True`` (``plugins.checkpoints``); mmengine's logged
   values (``HistoryBuffer``s, whose pickle calls ``getattr``) are saved as plain lists and
   rebuilt on resume. ``trust_checkpoint=true`` lifts that for files you trust (an mmengine
@@ -72,6 +74,7 @@ from plugins.checkpoints import load_checkpoint, read_checkpoint, save_atomic
 from plugins.distributed import Distributed, per_replica_buffers
 from plugins.model_options import as_patterns, standardize_layers, standardized_layers
 from plugins.norms import norm_kwargs
+from plugins.landscape import LandscapeRecorder, landscape_interval, probe_update, trained
 from plugins.optim import UpdateRecord, create_optimizer, optimizer_options
 from plugins.precision import autocast_dtype
 from plugins.runlog import (DETECTION_CHANCE, DETECTION_PROBE_EXAMPLES, CollapseDetector,
@@ -140,6 +143,51 @@ class SharpnessAwareStep:
         first, log_vars = loss()
         optim_wrapper.backward(first)
         self.sam.perturbed_gradient(lambda: optim_wrapper.backward(loss()[0]))
+        optim_wrapper.step()
+        optim_wrapper.zero_grad()
+        return log_vars
+
+
+class LandscapeStep:
+    """A model's ``train_step`` for ``record_landscape``: mmengine's own on the updates not
+    probed; on a probed one its step split open as ``SharpnessAwareStep`` splits it (one
+    preprocessed batch, the backward through ``optim_wrapper.backward``), the landscape
+    probed along the gradient it left (``plugins.landscape``: the same forward and backward
+    at each step size, through the runner's model, plain or DDP-wrapped, as the update's),
+    then ``optim_wrapper.step()`` and ``zero_grad()``. Each probe's row is appended to the run
+    folder's ``landscape.jsonl`` at once (rank 0). Installed by ``UnnormRunHook`` before the
+    first update."""
+
+    def __init__(self, runner, recorder: LandscapeRecorder, run: RunDirectory, world: Distributed):
+        self.runner, self.recorder, self.run, self.world = runner, recorder, run, world
+        self.model = runner.model
+        self.plain_step = runner.model.train_step
+
+    def __call__(self, data, optim_wrapper) -> dict:
+        runner, model, module = self.runner, self.model, _unwrapped(self.model)
+        if not self.recorder.due(runner.iter):
+            return self.plain_step(data, optim_wrapper)
+        with optim_wrapper.optim_context(model):
+            data = module.data_preprocessor(data, True)
+        probe = self.recorder.start()
+
+        def loss():
+            with optim_wrapper.optim_context(model):
+                losses = model._run_forward(data, mode="loss")
+            return module.parse_losses(losses)
+
+        def evaluate() -> torch.Tensor:
+            total = loss()[0]
+            optim_wrapper.backward(total)
+            return self.world.mean(total.detach())
+
+        first, log_vars = loss()
+        optim_wrapper.backward(first)
+        probe_update(self.recorder, probe, evaluate, self.world.mean(first.detach()),
+                     step=runner.iter, epoch=runner.epoch + 1,
+                     lr=optim_wrapper.param_groups[0]["lr"],
+                     scaler=getattr(optim_wrapper, "loss_scaler", None))
+        self.recorder.write(self.run)
         optim_wrapper.step()
         optim_wrapper.zero_grad()
         return log_vars
@@ -303,10 +351,11 @@ class UnnormRunHook(Hook):
 
     def __init__(self, run: RunDirectory, detector: CollapseDetector, world: Distributed,
                  norm_sync: str, logger, *, record_updates: bool = False,
-                 record_invariance: bool = False, seed: int = 0):
+                 record_invariance: bool = False, seed: int = 0, record_landscape: int = 0):
         self.run, self.detector, self.world = run, detector, world
         self.norm_sync, self.logger = norm_sync, logger
         self.record_updates, self.record_invariance = record_updates, record_invariance
+        self.record_landscape = record_landscape
         self.seed = seed
         self.last: dict = {}
         self.updates: UpdateRecord | None = None
@@ -320,6 +369,16 @@ class UnnormRunHook(Hook):
             record_scale_invariance(runner, self.run.path, self.world.device, self.seed)
         if self.record_updates:
             self.updates = measure_steps(runner.optim_wrapper)
+        if self.record_landscape:
+            counts = getattr(runner.optim_wrapper, "_accumulative_counts", 1)
+            if counts > 1:
+                raise ValueError(f"record_landscape with gradient accumulation (optim_wrapper."
+                                 f"accumulative_counts={counts}) is not available in the mmdet "
+                                 "backend: set accumulative_counts=1, or record_landscape=0")
+            model = _unwrapped(runner.model)
+            recorder = LandscapeRecorder(self.record_landscape, model,
+                                         trained(runner.optim_wrapper.optimizer), self.world.device)
+            runner.model.train_step = LandscapeStep(runner, recorder, self.run, self.world)
 
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         plain_logged_values(checkpoint)
@@ -542,6 +601,10 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
         if cfg[option]:
             raise ValueError(f"{option}=true is supported by model.backend=torchvision; drop it "
                              "for the mmdet backend")
+    if landscape_interval(cfg.get("record_landscape")) and cfg.get("sam") is not None \
+            and cfg.sam.name != "none":
+        raise ValueError("record_landscape with sam in the mmdet backend: both split the "
+                         "update open; use sam=none, or record_landscape=0")
     require_init(cfg)
     if cfg.data.get("generate"):
         if world.main:
@@ -574,7 +637,8 @@ def _train(cfg: DictConfig, out_dir: Path, world: Distributed, meta: dict) -> di
     logger = run_logger(cfg, out_dir, enabled=world.main)
     hook = UnnormRunHook(run, CollapseDetector(**cfg.collapse), world, cfg.norm_sync, logger,
                          record_updates=bool(cfg.record_updates),
-                         record_invariance=bool(cfg.record_scale_invariance), seed=cfg.seed)
+                         record_invariance=bool(cfg.record_scale_invariance), seed=cfg.seed,
+                         record_landscape=landscape_interval(cfg.get("record_landscape")))
     runner.register_hook(hook, priority="LOW")
     try:
         runner.train()

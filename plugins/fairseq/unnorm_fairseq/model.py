@@ -204,6 +204,12 @@ class UnnormTransformerModel(TransformerModel):
                             help="record each epoch's effective steps and AdamP/SGDP projections "
                                  "in its train statistics (plugins.optim.UpdateRecord; training "
                                  "with plugins.fairseq.train)")
+        parser.add_argument("--record-landscape", type=int, default=0, metavar="K",
+                            help="every K-th update, the loss landscape along its gradient into "
+                                 "--landscape-dir's landscape.jsonl (plugins.landscape; training "
+                                 "with plugins.fairseq.train, float32, one process)")
+        parser.add_argument("--landscape-dir", metavar="RUN_DIR", default=None,
+                            help="the run directory --record-landscape writes landscape.jsonl into")
         parser.add_argument("--sam", type=boolean, default=False, metavar="BOOL",
                             help="sharpness-aware updates (plugins.sam; training with "
                                  "plugins.fairseq.train, one micro-batch per update)")
@@ -242,7 +248,8 @@ class UnnormTransformerModel(TransformerModel):
                                or getattr(args, "train_only", "all") != "all"
                                or getattr(args, "agc", None) is not None
                                or bool(getattr(args, "record_scale_invariance", None))
-                               or bool(getattr(args, "record_updates", False)))
+                               or bool(getattr(args, "record_updates", False))
+                               or bool(getattr(args, "record_landscape", 0)))
         return model
 
     def forward(self, *args, **kwargs):
@@ -253,7 +260,8 @@ class UnnormTransformerModel(TransformerModel):
             raise RuntimeError("--record-gns: nothing records the norms' gradients; train with "
                                "`python -m plugins.fairseq.train` (fairseq-train's flags), which does")
         if self.training and self.needs_trainer and not self.trainer_applies:
-            raise RuntimeError("--sam/--train-only/--agc/--record-scale-invariance/--record-updates: "
+            raise RuntimeError("--sam/--train-only/--agc/--record-scale-invariance/--record-updates/"
+                               "--record-landscape: "
                                "nothing applies them (fairseq-train would train every parameter "
                                "with plain updates and record nothing); train with `python -m "
                                "plugins.fairseq.train` (fairseq-train's flags), which does")
