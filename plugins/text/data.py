@@ -33,7 +33,7 @@ from plugins.lm.data import package_dir, publish, tokenizer_record, write_meta
 LABELS = ("rotten", "fresh")  # label 0, 1
 SPLITS = ("train", "validation", "test")
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
-FORMAT = 1  # of the cached tokenizer folder; part of its key
+FORMAT = 2  # of the cached tokenizer folder; part of its key (2: [CLS] ... [SEP])
 
 
 @dataclass(frozen=True)
@@ -103,11 +103,14 @@ def split_reviews(reviews: Sequence[Review], split_seed: int,
 
 def train_wordpiece(texts, vocab_size: int, min_frequency: int):
     """BERT's WordPiece (``tokenizers``' BertWordPieceTokenizer: lowercased, accents
-    stripped, BERT's pre-tokenizer) trained on ``texts``."""
-    from tokenizers import BertWordPieceTokenizer
+    stripped, BERT's pre-tokenizer) trained on ``texts``, encoding ``[CLS] ... [SEP]`` (the
+    class only adds that post-processor when built from a vocabulary, not when trained)."""
+    from tokenizers import BertWordPieceTokenizer, processors
     tokenizer = BertWordPieceTokenizer(lowercase=True)
     tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=[PAD, UNK, CLS, SEP, MASK])
+    tokenizer.post_processor = processors.BertProcessing(
+        (SEP, tokenizer.token_to_id(SEP)), (CLS, tokenizer.token_to_id(CLS)))
     return tokenizer
 
 
