@@ -156,7 +156,7 @@ def lr_warmup_steps(cfg: DictConfig, max_steps_per_epoch: Optional[int] = None) 
     recipe = cfg.recipe
     if cfg.task == "translation":
         warmup, length = recipe.train.warmup_updates, recipe.train.max_update
-    elif cfg.task == "language_modelling":
+    elif cfg.task in ("language_modelling", "text_classification"):
         warmup, length = recipe.warmup_steps, recipe.max_steps
     elif cfg.task == "detection":
         per_epoch = cfg.data.num_train / recipe.batch_size

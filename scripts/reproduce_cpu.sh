@@ -34,6 +34,11 @@
 #   graph       the Graph Transformer on generated CLUSTER and PATTERN and on FreeSolv: BN, LN
 #               and UN first (the release's claim and the project's question), then MABN, PN,
 #               PRepBN, DyT, RMS, GraphNorm and GRANOLA; three seeds (docs/graphs.md)
+#   sentiment   every norm on the Rotten Tomatoes encoder at the CPU recipe (Post-LN placement)
+#   sentiment_grid  the course study's grid (docs/text_classification.md#the-study-s-grid): plain
+#               SGD, no warm-up, 7 learning rates x depth 1, 5 x widths 16, 32, 64: LN, BN, NoNorm
+#               at Post first, then UN, RMS, DyT, PRepBN, then all seven at Pre; U(-0.1, 0.1)
+#               and U(-100, 100) initialisations (records in results/sentiment_grid, apart)
 #   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
 #               norm-only training with and without the head (three); the base optimizer: the
 #               main runs
@@ -59,7 +64,7 @@ RECORDS=${RECORDS:-results/runs/cpu}
 # would join the other tables' families and their Holm corrections) and the graph task's runs
 # (results/graph: their own page, results/graphs.md); their own analyses read
 # them beside the runs above (analysis/test_time.py, analysis/optimizer.py)
-STUDIES="test_time optimizer graph"
+STUDIES="test_time optimizer graph sentiment_grid"
 STUDY_RECORDS=${STUDY_RECORDS:-results}
 # where a record that the current CPU rule would train differently goes when its re-run lands
 # (python -m analysis.runs --superseded: a warm-up shorter than the floor of issue 30)
@@ -133,6 +138,33 @@ runs() {  # one line per run: <group>/<name> <overrides...>
   done
   lm_runs
   graph_runs
+  sentiment_runs
+}
+
+# the course study's grid (docs/text_classification.md): its optimizer and schedule, and the
+# grid's scale (width 16/32/64 with 2 heads and a 4x feed-forward, 32 tokens, 200 updates)
+SENTIMENT_RATES="10 1 0.5 0.1 0.01 0.001 0.0001"
+SENTIMENT_GRID="optimizer=sgd optimizer.momentum=0 recipe.sched=constant recipe.warmup_steps=0 \
+recipe.clip_grad=null recipe.weight_decay=0 recipe.max_steps=200 recipe.eval_every=100 \
+model.max_length=32 model.heads=2"
+sentiment_runs() {
+  for seed in $MAIN_SEEDS; do
+    for norm in $NORMS bcn evonorm_b0 evonorm_s0 scalenorm; do
+      echo "sentiment/sentiment_$norm-s$seed +exp=sentiment_$norm seed=$seed"; done
+  done
+  local placement norms depth width lr
+  for placement in post pre; do
+    for norms in "ln bn nonorm" "un rms dyt prepbn"; do
+      [[ $placement == pre && $norms == "un rms dyt prepbn" ]] && continue
+      [[ $placement == pre ]] && norms="ln bn nonorm un rms dyt prepbn"
+      for norm in $norms; do for depth in 1 5; do for width in 16 32 64; do for lr in $SENTIMENT_RATES; do
+        echo "sentiment_grid/${placement}_d${depth}_w${width}_${norm}_lr$lr +exp=sentiment_$norm $SENTIMENT_GRID model.norm_position=$placement model.depth=$depth model.width=$width model.ffn=$((4 * width)) recipe.lr=$lr"
+      done; done; done; done
+    done
+  done
+  for norm in ln bn nonorm; do for depth in 1 5; do for a in 0.1 100; do  # the normal width
+    echo "sentiment_grid/post_d${depth}_w32_${norm}_lr0.1_uniform$a +exp=sentiment_$norm $SENTIMENT_GRID model.norm_position=post model.depth=$depth model.width=32 model.ffn=128 recipe.lr=0.1 model.init=uniform model.init_range=$a"
+  done; done; done
 }
 
 # translation off the floor and below saturation (results/calibration/translation): LN's BLEU

@@ -64,12 +64,15 @@ def run(cfg: DictConfig) -> float:
     elif cfg.task == "graph":
         from plugins.graph.trainer import CHECKPOINT, train
         metric = "acc" if cfg.data.name.startswith("sbm_") else "mae"
+    elif cfg.task == "text_classification":
+        from plugins.text.trainer import CHECKPOINT, train
+        metric = "val_acc"
     elif cfg.task == "detection":
         raise ValueError(f"unknown detection backend {cfg.model.backend!r}; choose "
                          "model.backend=torchvision or model.backend=mmdet")
     else:
         raise ValueError(f"unknown task {cfg.task!r}; this checkout trains: classification, "
-                         "translation, detection, language_modelling, graph")
+                         "translation, detection, language_modelling, graph, text_classification")
     out_dir = Path(cfg.resume) if cfg.resume else Path(HydraConfig.get().runtime.output_dir)
     if cfg.resume and not any((out_dir / name).exists() for name in (CHECKPOINT, RESULT_FILE)):
         raise FileNotFoundError(f"resume={cfg.resume}: no {CHECKPOINT} there; pass the run "

@@ -21,6 +21,7 @@ from .fold import (ChannelAffine, FoldedNorm, check_fold_plan, fold_by_plan, fol
                    fold_norms, to_affine)
 from .gns import GNSRecorder, record_gns
 from .mabn import MovingAverageBatchNorm
+from .padmask import PadMaskFeed
 from .powernorm import PowerNorm
 from .prepbn import ProgressiveRepBN
 from .registry import (available_norms, build_norm, default_options, has_running_state,
@@ -54,7 +55,7 @@ __all__ = [
     "option_names", "default_options",
     "swap_norms", "distribute_norm_state", "check_norm_sync", "norm_state", "NORM_SYNC_MODES",
     "fold_into_linear", "fold_norms", "fold_by_plan", "check_fold_plan", "to_affine",
-    "replace_module", "ChannelsFirst", "test_time", "AdaptedNorms", "TEST_TIME_MODES", "record_statistics", "record_gns", "reset_steps",
+    "replace_module", "ChannelsFirst", "PadMaskFeed", "test_time", "AdaptedNorms", "TEST_TIME_MODES", "record_statistics", "record_gns", "reset_steps",
     "convert_released_state_dict", "RELEASED_UN_NAMES", "StatisticsRecorder", "GNSRecorder",
     "ChannelNorm", "OfflineNorm", "GuardedNorm", "StepCounted", "EstimatedNorm", "ChannelAffine", "FoldedNorm",
     "LayerNorm", "RMSNorm", "BatchNorm", "NoNorm", "MovingAverageBatchNorm", "PowerNorm",

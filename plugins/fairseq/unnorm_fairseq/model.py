@@ -4,7 +4,7 @@ fairseq 0.12.2 has no hook for the norm class, so the layers are fairseq's own, 
 replace their norms after construction (norms draw no random numbers, so every other weight
 is initialised as in the stock model), and the encoder and decoder replace their final norm.
 fairseq calls a norm as ``norm(x)``; the encoder and decoder therefore hand every norm of
-their stack the padding mask of the batch in flight (``PadMaskFeed``), so padding stays out
+their stack the padding mask of the batch in flight (``unnorm.PadMaskFeed``), so padding stays out
 of batch statistics. ``--norm-pad-mask false`` hands none, as the UN release's fairseq fork
 does (its layers call the norm without a mask, so padding enters UN's statistics). With
 ``--norm-type ln`` the model computes exactly what the stock model does. PowerNorm's
@@ -29,7 +29,6 @@ calls them (``skip_embed_dim_check``, whose only other effect is to skip a shape
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -85,36 +84,6 @@ def build_norm(cfg, dim: int, heads: int) -> nn.Module:
     return unnorm.build_norm(cfg.norm_type, dim, **options)
 
 
-class PadMaskFeed:
-    """Gives norms that fairseq calls as ``norm(x)`` the pad mask of the current batch.
-
-    The stack's ``forward`` sets fairseq's (B, T) mask for its duration; a forward pre-hook on
-    each norm adds it, transposed to the time-first (T, B) of x, as ``pad_mask=``. Disabled,
-    it hands no mask (``--norm-pad-mask false``).
-    """
-
-    def __init__(self, module: nn.Module, enabled: bool = True):
-        self.mask: Optional[torch.Tensor] = None
-        self.enabled = enabled
-        for norm in module.modules() if enabled else ():
-            if isinstance(norm, unnorm.ChannelNorm):
-                norm.register_forward_pre_hook(self._add_mask, with_kwargs=True)
-
-    def _add_mask(self, norm, args, kwargs):
-        if self.mask is not None and "pad_mask" not in kwargs:
-            return args, {**kwargs, "pad_mask": self.mask}
-        return None
-
-    @contextmanager
-    def batch(self, pad_mask: torch.Tensor):
-        """``pad_mask``: (B, T), True = padding."""
-        self.mask = pad_mask.t() if self.enabled else None
-        try:
-            yield
-        finally:
-            self.mask = None
-
-
 class UnnormEncoderLayer(TransformerEncoderLayerBase):
     def __init__(self, cfg, return_fc: bool = False):
         super().__init__(cfg, return_fc=return_fc)
@@ -139,14 +108,14 @@ class UnnormTransformerEncoder(TransformerEncoderBase):
         super().__init__(cfg, dictionary, embed_tokens)
         if self.layer_norm is not None:
             self.layer_norm = build_norm(cfg, embed_tokens.embedding_dim, cfg.encoder.attention_heads)
-        self.pad_feed = PadMaskFeed(self, cfg.norm_pad_mask)
+        self.pad_feed = unnorm.PadMaskFeed(self, cfg.norm_pad_mask)
 
     def build_encoder_layer(self, cfg):
         return UnnormEncoderLayer(cfg, return_fc=self.return_fc)
 
     def forward(self, src_tokens, src_lengths: Optional[torch.Tensor] = None,
                 return_all_hiddens: bool = False, token_embeddings: Optional[torch.Tensor] = None):
-        with self.pad_feed.batch(src_tokens.eq(self.padding_idx)):
+        with self.pad_feed.batch(src_tokens.eq(self.padding_idx).t()):  # time-first x
             return super().forward(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
 
 
@@ -155,7 +124,7 @@ class UnnormTransformerDecoder(TransformerDecoderBase):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
         if self.layer_norm is not None:
             self.layer_norm = build_norm(cfg, self.embed_dim, cfg.decoder.attention_heads)
-        self.pad_feed = PadMaskFeed(self, cfg.norm_pad_mask)
+        self.pad_feed = unnorm.PadMaskFeed(self, cfg.norm_pad_mask)
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
         return UnnormDecoderLayer(cfg, no_encoder_attn=no_encoder_attn)
@@ -165,7 +134,7 @@ class UnnormTransformerDecoder(TransformerDecoderBase):
                          alignment_heads=None):
         # incremental decoding feeds the last position only, as the base class does
         tokens = prev_output_tokens if incremental_state is None else prev_output_tokens[:, -1:]
-        with self.pad_feed.batch(tokens.eq(self.padding_idx)):
+        with self.pad_feed.batch(tokens.eq(self.padding_idx).t()):  # time-first x
             return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
                                             full_context_alignment, alignment_layer,
                                             alignment_heads)
