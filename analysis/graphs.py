@@ -1,74 +1,59 @@
-"""The graph task's table (results/graphs.md) from its records (results/graph/<run>/result.json):
-per dataset and norm, the test score's mean and standard deviation over the seeds that
-learned, and each norm against BN (the release's choice) and LN with the difference of means
-and Welch's p. ``python -m analysis.graphs`` rewrites the page's table."""
+"""The graph task's tables (results/graphs.md, written by ``scripts/make_tables.py`` through
+``analysis.pages``) from its records, a study kept apart in results/graph/<run>/result.json:
+per dataset, each norm's test score (mean ± std over the seeds that learned, chance runs
+counted) and its difference from BN (the release's choice) and from LN, with Welch's p and
+Holm's correction over the table's comparisons."""
 from __future__ import annotations
 
 import json
-import statistics
-from collections import defaultdict
 from pathlib import Path
 
-from analysis.significance import welch_p
+from analysis.significance import Cell, Comparisons, with_tests
+from analysis.tables import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-RECORDS = ROOT / "results" / "graph"
-PAGE = ROOT / "results" / "graphs.md"
-DATA = {"sbm_cluster": "CLUSTER (generated, CPU scale)", "sbm_pattern": "PATTERN (generated, CPU scale)",
-        "freesolv": "FreeSolv"}
-ORDER = ["bn", "ln", "un", "mabn", "pn", "prepbn", "dyt", "rms", "graphnorm", "granola"]
-BEGIN, END = "<!-- table: analysis/graphs.py -->", "<!-- end table -->"
-
-
-def load(records: Path = RECORDS) -> dict[tuple[str, str], list[dict]]:
-    """``{(data, norm): [result, ...]}`` of the Graph Transformer's runs."""
-    runs = defaultdict(list)
-    for path in sorted(records.glob("*/result.json")):
-        result = json.loads(path.read_text())
-        if result.get("model") == "graph_transformer":
-            runs[(result["data"], result["norm"])].append(result)
-    return runs
+#: the datasets as the tables name them, and their test metric
+DATA = {"sbm_pattern": ("PATTERN (generated, CPU scale)", "test_acc"),
+        "sbm_cluster": ("CLUSTER (generated, CPU scale)", "test_acc"),
+        "freesolv": ("FreeSolv", "test_mae")}
+NORMS = {"bn": "BN", "ln": "LN", "un": "UN", "mabn": "MABN", "pn": "PN", "prepbn": "PRepBN",
+         "dyt": "DyT", "rms": "RMS", "graphnorm": "GraphNorm", "granola": "GRANOLA"}
+BASELINES = ("bn", "ln")
 
 
-def _metric(data: str) -> tuple[str, bool]:
-    """The test metric and whether lower is better."""
-    return ("test_mae", True) if data == "freesolv" else ("test_acc", False)
+def load(records: Path) -> list[dict]:
+    """The Graph Transformer's run records under ``records``."""
+    runs = [json.loads(path.read_text()) for path in sorted(records.glob("*/result.json"))]
+    return [run for run in runs if run.get("model") == "graph_transformer"]
 
 
-def _comparison(values: list[float], baseline: list[float]) -> str:
-    if len(values) < 2 or len(baseline) < 2:
-        return "—"
-    difference = statistics.mean(values) - statistics.mean(baseline)
-    return f"{difference:+.2f} (p = {welch_p(values, baseline):.2g})"
-
-
-def table(runs: dict[tuple[str, str], list[dict]]) -> str:
-    lines = ["| data | metric | norm | test mean ± std | n (learned/runs) | − BN (Welch p) | − LN (Welch p) |",
-             "|---|---|---|---|---|---|---|"]
-    for data, name in DATA.items():
-        metric, lower = _metric(data)
-        scores = {norm: [r["metrics"][metric] for r in runs.get((data, norm), [])
-                         if r["status"] == "ok"] for norm in ORDER}
-        for norm in ORDER:
-            done = runs.get((data, norm), [])
-            if not done:
+def tables(runs: list[dict]) -> list[Table]:
+    """One table per dataset with records: a row per norm, its score and its difference from
+    each baseline (BN's row left empty: LN's holds BN against LN)."""
+    out = []
+    for data, (name, metric) in DATA.items():
+        cells = {norm: Cell([r for r in runs if r["data"] == data and r["norm"] == norm])
+                 for norm in NORMS}
+        if not any(cell.runs for cell in cells.values()):
+            continue
+        tests = Comparisons()
+        rows = []
+        for norm, label in NORMS.items():
+            cell = cells[norm]
+            if not cell.runs:
                 continue
-            values = scores[norm]
-            cell = (f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-                    if len(values) > 1 else f"{values[0]:.2f}" if values else "—")
-            lines.append(f"| {name} | {metric.removeprefix('test_')}{' (lower is better)' if lower else ' %'} "
-                         f"| {norm} | {cell} | {len(values)}/{len(done)} "
-                         f"| {'' if norm == 'bn' else _comparison(values, scores['bn'])} "
-                         f"| {'' if norm == 'ln' else _comparison(values, scores['ln'])} |")
-    return "\n".join(lines)
-
-
-def main() -> None:
-    text = PAGE.read_text()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    PAGE.write_text(f"{head}{BEGIN}\n{table(load())}\n{END}{tail}")
-
-
-if __name__ == "__main__":
-    main()
+            row = [label, cell.text(metric)]
+            for baseline in BASELINES:  # BN against LN once, in LN's row
+                row.append("" if norm in BASELINES[:BASELINES.index(baseline) + 1] else
+                           ("", tests.add(cell.values(metric), cells[baseline].values(metric), metric)))
+            rows.append(row)
+        what = ("test MAE, kcal/mol (lower is better)" if metric == "test_mae" else
+                "test accuracy, class-balanced (%)")
+        chance = next(r["chance"]["rule"] for r in runs if r["data"] == data)
+        out.append(Table(
+            f"Graphs: {name}: {what}", ["norm", "test (n = seeds that learned)", "− BN", "− LN"],
+            with_tests(rows, tests),
+            [f"† The Graph Transformer at scale=cpu (docs/graphs.md), the score at the last "
+             f"epoch. Chance: {chance}; such runs are counted ('chance k/n'), not averaged. "
+             "Records: results/graph (bash scripts/reproduce_cpu.sh graph).",
+             tests.note()]))
+    return out

@@ -80,7 +80,7 @@ def welch_p(values: list[float], baseline: list[float]) -> float:
         equal_var=False).pvalue)
 
 
-DIGITS = {"val_loss": 3}  # decimals shown; others 1
+DIGITS = {"val_loss": 3, "test_mae": 2}  # decimals shown; others 1
 SIGNIFICANCE_NOTE = ("{n} in this table: the difference of means and Welch's p "
                      "against the row's or column's baseline; * p < 0.05, ** also after Holm's "
                      "correction over the table's comparisons. Means and tests take the runs that "

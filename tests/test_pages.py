@@ -86,6 +86,25 @@ def test_a_readme_without_the_headline_is_refused_by_name(rows, tmp_path):
         pages.regenerated(tmp_path, [], rows)
 
 
+def test_the_graph_tables_test_by_welch_and_count_chance_runs():
+    """analysis.graphs: LN against BN is scipy's Welch test on the runs that learned; a chance
+    run is counted, not averaged; BN against LN is printed once (LN's row)."""
+    from analysis import graphs
+
+    def run(norm, acc, status="ok"):
+        return {"model": "graph_transformer", "data": "sbm_pattern", "norm": norm, "scale": "cpu",
+                "status": status, "metrics": {"test_acc": acc},
+                "chance": {"rule": "accuracy <= 55"}}
+    bn, ln = [80.0, 83.0, 84.5], [70.0, 78.0]
+    records = [run("bn", v) for v in bn] + [run("ln", v) for v in ln] + [run("ln", 50.0, "chance")]
+    (table,) = graphs.tables(records)
+    rows = {row[0]: row for row in table.rows}
+    expected = stats.ttest_ind(ln, bn, equal_var=False).pvalue
+    assert rows["LN"][1] == f"{statistics.mean(ln):.1f} ± {statistics.stdev(ln):.1f} (n=2); chance 1/3†"
+    assert rows["LN"][2].startswith(f"{statistics.mean(ln) - statistics.mean(bn):+.1f} (p={expected:.2g})")
+    assert rows["BN"][2:] == ["", ""] and rows["LN"][3] == ""
+
+
 def test_a_block_naming_no_table_is_refused():
     with pytest.raises(ValueError, match="'Table 99', which starts no table's title"):
         pages.fill("<!-- generated: Table 99 -->\n<!-- end generated -->", [])
