@@ -199,6 +199,20 @@ def test_eval_without_gradients_runs_the_swapped_norms_not_torchs_fused_layer():
     assert not torch.allclose(fused, model(ids).detach())
 
 
+def test_the_first_layer_reads_the_token_embedding_times_sqrt_width_plus_the_position():
+    """Vaswani et al. (section 3.4) multiply the token embedding by sqrt(d_model) before adding
+    the positions: the first layer's input is E[ids] * sqrt(width) + P[0..T), computed here
+    from the embedding tables."""
+    model = _encoder("ln")
+    ids = torch.randint(1, 100, (3, 7), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    model.layers[0].register_forward_pre_hook(lambda layer, args: seen.update(x=args[0]))
+    model(ids)
+    expected = (model.embed_tokens.weight[ids] * math.sqrt(MODEL["width"])
+                + model.embed_positions.weight[:7])
+    torch.testing.assert_close(seen["x"], expected, rtol=0, atol=0)
+
+
 def test_the_initialisations():
     """study: Kaiming-uniform (ReLU gain) bound sqrt(6 / fan_in) on linear1, Xavier's
     sqrt(6 / (fan_in + fan_out)) elsewhere, biases zero; uniform: every weight and bias within
