@@ -181,6 +181,29 @@ def test_padding_enters_no_statistic_of_a_batch_statistic_norm(name, placement):
         torch.testing.assert_close(x, y, **PADDED_TOLERANCE)
 
 
+@pytest.mark.parametrize("name,changes", [(name, {}) for name in BATCH_STATISTIC]
+                         + [("bcn", {"estimate": True})])
+def test_in_eval_a_snippet_padded_in_a_batch_scores_as_it_does_alone(name, changes):
+    """Eval mode (running estimates; EstBN's too) after a few updates: a short snippet's
+    logits padded beside a longer one are its logits alone (the unpadded computation)."""
+    model = _encoder(name)
+    for module in model.modules():
+        if isinstance(module, unnorm.ChannelNorm) and "estimate" in changes:
+            module.estimate = changes["estimate"]
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 100, (6, 10), generator=generator)
+    ids[:3, 5:] = 0
+    _train_steps(model, ids, torch.randint(0, 2, (6,), generator=generator))
+    model.eval()
+    short = torch.randint(1, 100, (1, 4), generator=generator)
+    longer = torch.randint(1, 100, (1, 9), generator=generator)
+    with torch.no_grad():
+        alone = model(short)
+        batched = model(torch.cat([torch.cat([short, torch.zeros(1, 5, dtype=torch.long)], 1),
+                                   longer]))[:1]
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-6)
+
+
 def test_eval_without_gradients_runs_the_swapped_norms_not_torchs_fused_layer():
     """torch's TransformerEncoderLayer takes a fused path in eval under no_grad that reads
     norm1/norm2 as LayerNorms; the pad feed's hooks keep it off: BN in eval gives the same
