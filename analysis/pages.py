@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from analysis import graphs, headline, optimizer, signal, test_time
+from analysis import graphs, headline, optimizer, sentiment_grid, signal, test_time
 from analysis.runs import load_runs
 from analysis.tables import Table, build_tables, table_markdown
 
@@ -27,14 +27,18 @@ def all_tables(paper: dict, runs: list[dict], benchmarks: Path, studies: Path) -
     """Every table ``make_tables.py`` writes: the paper's and the studies' from the runs
     (``build_tables``), then those of the studies kept apart in ``studies``: the optimizer
     study (``studies/optimizer``, beside the runs it compares with) and the shift benchmark
-    (``studies/test_time``), signal propagation at initialisation (``studies/signal``) and the
-    graph task (``studies/graph``)."""
+    (``studies/test_time``), signal propagation at initialisation (``studies/signal``), the
+    graph task (``studies/graph``) and the course study's sentiment grid
+    (``studies/sentiment_grid``)."""
     apart = load_runs(studies / optimizer.GROUP) if (studies / optimizer.GROUP).is_dir() else []
     shifted = test_time.load(studies / "test_time") if (studies / "test_time").is_dir() else []
     probed = signal.load(studies / "signal") if (studies / "signal").is_dir() else []
     graphed = graphs.load(studies / "graph") if (studies / "graph").is_dir() else []
+    graded = (sentiment_grid.read_grid(studies / sentiment_grid.GROUP)
+              if (studies / sentiment_grid.GROUP).is_dir() else {})
     return (build_tables(paper, runs, benchmarks) + optimizer.tables(runs + apart)
-            + test_time.tables(shifted) + signal.tables(probed) + graphs.tables(graphed))
+            + test_time.tables(shifted) + signal.tables(probed) + graphs.tables(graphed)
+            + sentiment_grid.tables(graded, sentiment_grid.read_study(studies / sentiment_grid.STUDY)))
 
 
 def fill(text: str, tables: list[Table]) -> str:

@@ -26,7 +26,7 @@ METHOD_NORMS = {"LN": "ln", "RMSNorm": "rms", "PN_LS": "pn_ls", "NoNorm": "nonor
 NORM_METHODS = {norm: method for method, norm in METHOD_NORMS.items()}
 #: the reproduction's groups whose records are kept apart from ``results/runs`` in
 #: ``results/<group>`` (scripts/reproduce_cpu.sh's STUDIES), read by their own analyses
-STUDIES = ("test_time", "optimizer", "graph")
+STUDIES = ("test_time", "optimizer", "graph", "sentiment_grid")
 STABILITY_KEY = "lr_multiple"  # the learning-rate ladder of the stability map
 #: each task's headline metric, and the metrics where lower is better
 TASK_METRIC = {"classification": "top1", "translation": "bleu", "detection": "bbox_AP",

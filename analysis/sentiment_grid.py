@@ -1,9 +1,13 @@
 """The course study's convergence grid (docs/text_classification.md#the-study-s-grid) from the
-grid's records, beside the study's own table (``results/paper/course_study.yaml``):
-``results/text_classification.md``.
+grid's records (``results/sentiment_grid``), beside the study's own table
+(``results/paper/course_study.yaml``): the "Sentiment grid:" tables that
+``scripts/make_tables.py`` writes into ``results/text_classification.md`` (``analysis.pages``),
+and the landscape of a few runs (``analysis.landscape``'s panels):
+
+    python -m analysis.sentiment_grid [--records results/sentiment_grid] [--out results/analysis/sentiment_grid]
 
 Each run is C, S or D by the rule fixed before the runs (``outcome``); the study reports C or N,
-and our S and D both count as N. One seed per cell: the page counts agreement, and claims no
+and our S and D both count as N. One seed per cell: the tables count agreement, and claim no
 difference between norms (a test would need seeds).
 """
 from __future__ import annotations
@@ -12,16 +16,17 @@ import argparse
 import json
 import math
 import re
-from collections import defaultdict
+import statistics
 from pathlib import Path
 
 import yaml
 
+from analysis.landscape import LANDSCAPE_FILE, plot_landscape, read_landscape
 from analysis.runs import load_runs
+from analysis.tables import Table
 
-RECORDS = Path("results/sentiment_grid")
-STUDY = Path("results/paper/course_study.yaml")
-PAGE = Path("results/text_classification.md")
+GROUP = "sentiment_grid"  # the records: results/sentiment_grid/<name>
+STUDY = Path("paper/course_study.yaml")  # under results/
 TRAIN_FRESH, TRAIN_SNIPPETS = 5655, 9908  # the training split at split_seed 0 (its record)
 RATES = ["10", "1", "0.5", "0.1", "0.01", "0.001", "0.0001"]
 WIDTHS = {16: "narrow", 32: "normal", 64: "wide"}
@@ -38,7 +43,8 @@ def label_entropy(fresh: int = TRAIN_FRESH, total: int = TRAIN_SNIPPETS) -> floa
 
 
 def outcome(run: dict, epochs: list[dict], entropy: float) -> str:
-    """C: ended (ok or chance), finite losses, the last interval's training loss <= 0.9 H; D:
+    """C: ended (ok or chance), finite losses, the last evaluation interval's mean training loss
+    (its last 250 updates) <= 0.9 H; D:
     collapsed, a non-finite loss, or the last interval's loss above the first's (it rose); S:
     neither (a plateau at the text-blind loss is S, not D)."""
     losses = [row["train_loss"] for row in epochs]
@@ -61,8 +67,15 @@ def read_grid(root: Path) -> dict[tuple, dict]:
                   if metrics.exists() else [])
         key = (match["placement"], int(match["depth"]), int(match["width"]), match["norm"],
                match["lr"], match["uniform"])
-        cells[key] = {"outcome": outcome(run, epochs, entropy), "run": run}
+        probes = (read_landscape(Path(run["_path"]))
+                  if (Path(run["_path"]) / LANDSCAPE_FILE).exists() else [])
+        cells[key] = {"outcome": outcome(run, epochs, entropy), "run": run, "probes": probes}
     return cells
+
+
+def read_study(path: Path) -> dict[tuple, str]:
+    """The study's table (``study_table``) from its transcription."""
+    return study_table(yaml.safe_load(Path(path).read_text()))
 
 
 def study_table(study: dict) -> dict[tuple, str]:
@@ -80,108 +93,161 @@ def study_table(study: dict) -> dict[tuple, str]:
     return table
 
 
-def grid_table(cells: dict, study: dict, placement: str) -> tuple[list[str], dict]:
-    """The markdown rows of one placement: ours (the study's) per rate, and agreement counts."""
-    agree = defaultdict(lambda: [0, 0])
-    rows = ["| depth | width | norm | " + " | ".join(f"lr {r}" for r in RATES) + " |",
-            "|---|---|---|" + "---|" * len(RATES)]
+def _cell(cells: dict, placement: str, depth: int, width: int, norm: str, rate: str):
+    return cells.get((placement, depth, width, norm, rate, None))
+
+
+def convergence_table(cells: dict, study: dict, placement: str) -> Table:
+    """Ours (the study's, Post only) per rate, a row per (depth, width, norm) with a run."""
+    rows = []
     for depth in (1, 5):
         for width, label in WIDTHS.items():
             for norm in NORM_ORDER:
-                marks, seen = [], False
-                for rate in RATES:
-                    cell = cells.get((placement, depth, width, norm, rate, None))
+                ran = [_cell(cells, placement, depth, width, norm, rate) for rate in RATES]
+                if not any(ran):
+                    continue
+                marks = []
+                for rate, cell in zip(RATES, ran):
                     theirs = study.get((depth, width, norm, rate)) if placement == "post" else None
-                    ours = cell["outcome"] if cell else "–"
-                    seen |= cell is not None
-                    marks.append(ours + (f" ({theirs})" if theirs else ""))
-                    if cell and theirs:
-                        agree[norm][1] += 1
-                        agree[norm][0] += (ours == "C") == (theirs == "C")
-                if seen:
-                    rows.append(f"| {depth} | {width} ({label}) | {norm} | " + " | ".join(marks) + " |")
-    return rows, agree
+                    marks.append((cell["outcome"] if cell else "–")
+                                 + (f" ({theirs})" if theirs else ""))
+                rows.append([str(depth), f"{width} ({label})", norm, *marks])
+    return Table(f"Sentiment grid: convergence, {placement.capitalize()}",
+                 ["depth", "width", "norm", *(f"lr {rate}" for rate in RATES)], rows,
+                 ["Ours, and in brackets the study's (Post only). C: converged, the last "
+                  f"interval's mean training loss at most 0.9 H = {0.9 * label_entropy():.4f} "
+                  "nats (H: the training labels' entropy, the best text-blind loss); D: "
+                  "diverged (collapsed, a non-finite loss, or the last interval's loss above "
+                  "the first's); S: slow (neither); –: not run. The study's N is our D or S. "
+                  "Plain SGD, no warm-up, 2,000 updates of 32 snippets, one seed per cell "
+                  "(docs/text_classification.md#the-study-s-grid)."])
 
 
-def gradient_rows(cells: dict) -> list[str]:
-    """Step-0 gradient norms per layer group, Post, width 32, the rate 0.1 runs (the model at
-    initialisation does not depend on the rate)."""
-    rows = ["| depth | norm | loss at step 0 | gradient norm: embeddings, layers 0.., classifier |",
-            "|---|---|---|---|"]
+def agreement_table(cells: dict, study: dict) -> Table:
+    """Per (depth, norm), Post: the cells run and how many agree with the study on C against
+    N, and each side's C count."""
+    rows = []
     for depth in (1, 5):
         for norm in NORM_ORDER:
-            cell = cells.get(("post", depth, 32, norm, "0.1", None))
+            pairs = [(cell["outcome"], study[(depth, width, norm, rate)])
+                     for width in WIDTHS for rate in RATES
+                     if (cell := _cell(cells, "post", depth, width, norm, rate))
+                     and (depth, width, norm, rate) in study]
+            if pairs:
+                rows.append([str(depth), norm, str(len(pairs)),
+                             str(sum((ours == "C") == (theirs == "C") for ours, theirs in pairs)),
+                             str(sum(ours == "C" for ours, _ in pairs)),
+                             str(sum(theirs == "C" for _, theirs in pairs)),
+                             ", ".join(f"{mark} {sum(ours == mark for ours, _ in pairs)}"
+                                       for mark in "DS")])
+    return Table("Sentiment grid: agreement with the study",
+                 ["depth", "norm", "cells run", "agree (C vs N)", "C ours", "C study",
+                  "our N as D, S"], rows,
+                 ["Post placement, the widths run. One seed per cell: agreement is counted, "
+                  "no test is made."])
+
+
+def gradient_table(cells: dict) -> Table:
+    """Step-0 gradient norms per layer group, Post, width 32, from the rate 0.1 runs (the
+    model at initialisation does not depend on the rate)."""
+    rows = []
+    for depth in (1, 5):
+        for norm in NORM_ORDER:
+            cell = _cell(cells, "post", depth, 32, norm, "0.1")
             record = cell and cell["run"].get("initial_gradients")
             if record:
-                norms = ", ".join(f"{v:.3g}" for v in record["grad_norm"].values())
-                rows.append(f"| {depth} | {norm} | {record['loss']:.3f} | {norms} |")
-    return rows
+                rows.append([str(depth), norm, f"{record['loss']:.3f}",
+                             ", ".join(f"{value:.3g}" for value in record["grad_norm"].values())])
+    return Table("Sentiment grid: gradient norms at initialisation",
+                 ["depth", "norm", "loss at step 0", "gradient norm: embeddings, layers 0.., "
+                  "classifier"], rows,
+                 ["Training-mode loss and gradient norm per layer group on the first 32 training "
+                  "snippets, before any update (`initial_gradients`); Post, width 32, seed 0."])
 
 
-def init_rows(cells: dict) -> list[str]:
-    rows = ["| depth | norm | U(-0.1, 0.1) | U(-100, 100) | default (Kaiming/Xavier) |", "|---|---|---|---|---|"]
+def _summary(values: list[float]) -> str:
+    finite = [value for value in values if math.isfinite(value)]
+    if not finite:
+        return "not finite"
+    text = f"{statistics.median(finite):.3g} / {max(finite):.3g}"
+    return text + (f" ({len(values) - len(finite)} not finite)" if len(finite) < len(values) else "")
+
+
+def landscape_table(cells: dict) -> Table:
+    """The study's Lipschitz and smoothness along the update, per Post run with probes."""
+    rows = []
+    for depth in (1, 5):
+        for width in WIDTHS:
+            for norm in NORM_ORDER:
+                for rate in RATES:
+                    cell = _cell(cells, "post", depth, width, norm, rate)
+                    if not (cell and cell["probes"]):
+                        continue
+                    probes = cell["probes"]
+                    rows.append([str(depth), str(width), norm, rate, cell["outcome"],
+                                 str(len(probes)), f"{probes[0]['lipschitz']:.3g}",
+                                 _summary([row["lipschitz"] for row in probes]),
+                                 f"{probes[0]['smoothness']:.3g}",
+                                 _summary([row["smoothness"] for row in probes])])
+    return Table("Sentiment grid: Lipschitz and smoothness along the update",
+                 ["depth", "width", "norm", "lr", "outcome", "probes", "Lipschitz at update 0",
+                  "Lipschitz median / max", "smoothness at update 0", "smoothness median / max"],
+                 rows,
+                 ["The study's quantities (docs/analysis.md#loss-landscape-along-the-update): "
+                  "Lipschitz, max over eta in (0, lr] of |L(W) - L(W - eta g)|; smoothness, max of "
+                  "||g - g(W - eta g)||; 8 step sizes, every 100th update's batch "
+                  "(`record_landscape=100`), median and max over the run's probes."])
+
+
+def init_table(cells: dict) -> Table:
+    rows = []
     for depth in (1, 5):
         for norm in ("ln", "bn", "nonorm"):
             marks = []
             for uniform in ("0.1", "100", None):
                 cell = cells.get(("post", depth, 32, norm, "0.1", uniform))
-                if cell is None:
-                    marks.append("–")
-                else:
-                    acc = cell["run"]["metrics"].get("val_acc")
-                    marks.append(cell["outcome"] + (f", val {acc:.1f}%" if acc is not None else ""))
-            rows.append(f"| {depth} | {norm} | " + " | ".join(marks) + " |")
-    return rows
-
-
-def page(cells: dict, study: dict) -> str:
-    post, agree = grid_table(cells, study_table(study), "post")
-    counts = "; ".join(f"{norm} {a} of {n}" for norm, (a, n) in agree.items())
-    runs = len(cells)
-    lines = [
-        "# Text classification: the course study's convergence grid",
-        "",
-        "Outcome per learning rate (plain SGD, no warm-up, 200 updates of 32 snippets), ours and "
-        "in brackets the study's, at Post placement. C: converged, the last 100 updates' mean "
-        f"training loss at most 0.9 H = {0.9 * label_entropy():.4f} nats (H: the training "
-        "labels' entropy, the best text-blind loss); D: diverged (collapsed, non-finite, or rising "
-        "the first interval's); S: slow (neither). The study's N is our D or S. The rule was fixed before the runs "
-        "([docs](../docs/text_classification.md#the-rule-for-converged-fixed-before-the-runs)). "
-        f"One seed per cell, n = {runs} runs recorded; – not run yet.",
-        "",
-        *post,
-        "",
-        f"Cells where ours and the study's agree on C against N (Post, per norm, of the cells run): "
-        f"{counts or 'none run'}. One seed each, so no test: agreement is counted, not claimed.",
-        "",
-    ]
-    pre, _ = grid_table(cells, {}, "pre")
-    if len(pre) > 2:
-        lines += ["## Pre placement", "", *pre, ""]
-    grads = gradient_rows(cells)
-    if len(grads) > 2:
-        lines += ["## Gradient norms at initialisation", "",
-                  "Training-mode loss and gradient norm per layer group on the first 32 training "
-                  "snippets, before any update (`initial_gradients`); one initialisation each "
-                  "(seed 0).", "", *grads, ""]
-    inits = init_rows(cells)
-    if any("–" not in row for row in inits[2:]):
-        lines += ["## Uniform initialisations", "",
-                  "Outcome at lr 0.1, width 32, Post; every weight and bias drawn from U(-a, a). "
+                acc = cell and cell["run"]["metrics"].get("val_acc")
+                marks.append("–" if cell is None else
+                             cell["outcome"] + (f", val {acc:.1f}%" if acc is not None else ""))
+            if any(mark != "–" for mark in marks[:2]):
+                rows.append([str(depth), norm, *marks])
+    return Table("Sentiment grid: uniform initialisations",
+                 ["depth", "norm", "U(-0.1, 0.1)", "U(-100, 100)", "default (Kaiming/Xavier)"],
+                 rows,
+                 ["Outcome at lr 0.1, width 32, Post; every weight and bias drawn from U(-a, a). "
                   "The study: U(-0.1, 0.1) works for all models, U(-100, 100) is destructive "
-                  "for all.", "", *inits, ""]
-    return "\n".join(lines)
+                  "for all."])
+
+
+def tables(cells: dict, study: dict) -> list[Table]:
+    """The results page's "Sentiment grid:" tables (those with rows) of ``read_grid``'s cells
+    beside ``read_study``'s table."""
+    if not cells:
+        return []
+    found = [convergence_table(cells, study, "post"), agreement_table(cells, study),
+             convergence_table(cells, study, "pre"), gradient_table(cells),
+             landscape_table(cells), init_table(cells)]
+    return [table for table in found if table.rows]
+
+
+#: the runs drawn: Post, width 32, each norm of the study at these (depth, rate)
+FIGURES = {"depth5_lr0.01": (5, "0.01"), "depth1_lr0.1": (1, "0.1")}
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=Path, default=RECORDS)
-    parser.add_argument("--study", type=Path, default=STUDY)
-    parser.add_argument("--out", type=Path, default=PAGE)
+    parser = argparse.ArgumentParser(description="The landscape along the update of the grid's "
+                                                 "LN, BN and NoNorm runs at a few cells")
+    parser.add_argument("--records", type=Path, default=Path("results") / GROUP)
+    parser.add_argument("--out", type=Path, default=Path("results/analysis/sentiment_grid"))
     args = parser.parse_args(argv)
-    study = yaml.safe_load(args.study.read_text())
-    args.out.write_text(page(read_grid(args.records), study))
-    print(f"wrote {args.out}")
+    cells = read_grid(args.records)
+    for name, (depth, rate) in FIGURES.items():
+        series = {f"{norm} ({cell['outcome']})": cell["probes"] for norm in STUDY_NORMS
+                  if (cell := _cell(cells, "post", depth, 32, norm, rate)) and cell["probes"]}
+        if series:
+            path = plot_landscape(series, f"Sentiment grid: Post, depth {depth}, width 32, lr "
+                                          f"{rate}", args.out / f"{name}.png")
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

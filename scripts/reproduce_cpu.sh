@@ -142,11 +142,12 @@ runs() {  # one line per run: <group>/<name> <overrides...>
 }
 
 # the course study's grid (docs/text_classification.md): its optimizer and schedule, and the
-# grid's scale (width 16/32/64 with 2 heads and a 4x feed-forward, 32 tokens, 200 updates)
+# grid's scale (width 16/32/64 with 2 heads and a 4x feed-forward, 32 tokens, 2,000 updates:
+# the calibration, docs/text_classification.md#calibration), the landscape every 100 updates
 SENTIMENT_RATES="10 1 0.5 0.1 0.01 0.001 0.0001"
 SENTIMENT_GRID="optimizer=sgd optimizer.momentum=0 recipe.sched=constant recipe.warmup_steps=0 \
-recipe.clip_grad=null recipe.weight_decay=0 recipe.max_steps=200 recipe.eval_every=100 \
-model.max_length=32 model.heads=2"
+recipe.clip_grad=null recipe.weight_decay=0 recipe.max_steps=2000 recipe.eval_every=250 \
+model.max_length=32 model.heads=2 record_landscape=100"
 sentiment_runs() {
   for seed in $MAIN_SEEDS; do
     for norm in $NORMS bcn evonorm_b0 evonorm_s0 scalenorm; do
@@ -157,7 +158,8 @@ sentiment_runs() {
     for norms in "ln bn nonorm" "un rms dyt prepbn"; do
       [[ $placement == pre && $norms == "un rms dyt prepbn" ]] && continue
       [[ $placement == pre ]] && norms="ln bn nonorm un rms dyt prepbn"
-      for norm in $norms; do for depth in 1 5; do for width in 16 32 64; do for lr in $SENTIMENT_RATES; do
+      # the normal width first, so that a stopped grid holds whole slices
+      for width in 32 16 64; do for norm in $norms; do for depth in 1 5; do for lr in $SENTIMENT_RATES; do
         echo "sentiment_grid/${placement}_d${depth}_w${width}_${norm}_lr$lr +exp=sentiment_$norm $SENTIMENT_GRID model.norm_position=$placement model.depth=$depth model.width=$width model.ffn=$((4 * width)) recipe.lr=$lr"
       done; done; done; done
     done
@@ -382,7 +384,7 @@ if (( listing )); then
 fi
 
 if [[ "${SKIP_TRAINING:-0}" != 1 ]]; then
-  threads=$(( JOBS > 1 ? 1 : $(nproc) ))
+  threads=${OMP_NUM_THREADS:-$(( JOBS > 1 ? 1 : $(nproc) ))}  # a caller's thread count stands
   started=$SECONDS
   selected "$@" | OMP_NUM_THREADS=$threads xargs -r -d '\n' -n 1 -P "$JOBS" bash -c 'run_one $1' _
   echo "trained $(selected "$@" | wc -l) runs (finished ones skipped) in $(( (SECONDS - started) / 60 )) min, $JOBS at a time"
@@ -406,6 +408,7 @@ for result in "$OUT"/*/*/result.json; do
   mkdir -p "$dest"
   cp "$run"/result.json "$run"/config.yaml "$dest"/
   [[ -f "$run/metrics.jsonl" ]] && cp "$run"/metrics.jsonl "$dest"/  # a run that collapsed in epoch 1 has none
+  [[ -f "$run/landscape.jsonl" ]] && cp "$run"/landscape.jsonl "$dest"/  # record_landscape's probes
   touch "$run/.synced"
 done
 # the shift benchmark (docs/test_time.md) on the test_time runs' checkpoints: every corruption

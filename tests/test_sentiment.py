@@ -181,6 +181,29 @@ def test_padding_enters_no_statistic_of_a_batch_statistic_norm(name, placement):
         torch.testing.assert_close(x, y, **PADDED_TOLERANCE)
 
 
+@pytest.mark.parametrize("name,changes", [(name, {}) for name in BATCH_STATISTIC]
+                         + [("bcn", {"estimate": True})])
+def test_in_eval_a_snippet_padded_in_a_batch_scores_as_it_does_alone(name, changes):
+    """Eval mode (running estimates; EstBN's too) after a few updates: a short snippet's
+    logits padded beside a longer one are its logits alone (the unpadded computation)."""
+    model = _encoder(name)
+    for module in model.modules():
+        if isinstance(module, unnorm.ChannelNorm) and "estimate" in changes:
+            module.estimate = changes["estimate"]
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 100, (6, 10), generator=generator)
+    ids[:3, 5:] = 0
+    _train_steps(model, ids, torch.randint(0, 2, (6,), generator=generator))
+    model.eval()
+    short = torch.randint(1, 100, (1, 4), generator=generator)
+    longer = torch.randint(1, 100, (1, 9), generator=generator)
+    with torch.no_grad():
+        alone = model(short)
+        batched = model(torch.cat([torch.cat([short, torch.zeros(1, 5, dtype=torch.long)], 1),
+                                   longer]))[:1]
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-6)
+
+
 def test_eval_without_gradients_runs_the_swapped_norms_not_torchs_fused_layer():
     """torch's TransformerEncoderLayer takes a fused path in eval under no_grad that reads
     norm1/norm2 as LayerNorms; the pad feed's hooks keep it off: BN in eval gives the same
@@ -197,6 +220,20 @@ def test_eval_without_gradients_runs_the_swapped_norms_not_torchs_fused_layer():
     with torch.no_grad():
         fused = model(ids)
     assert not torch.allclose(fused, model(ids).detach())
+
+
+def test_the_first_layer_reads_the_token_embedding_times_sqrt_width_plus_the_position():
+    """Vaswani et al. (section 3.4) multiply the token embedding by sqrt(d_model) before adding
+    the positions: the first layer's input is E[ids] * sqrt(width) + P[0..T), computed here
+    from the embedding tables."""
+    model = _encoder("ln")
+    ids = torch.randint(1, 100, (3, 7), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    model.layers[0].register_forward_pre_hook(lambda layer, args: seen.update(x=args[0]))
+    model(ids)
+    expected = (model.embed_tokens.weight[ids] * math.sqrt(MODEL["width"])
+                + model.embed_positions.weight[:7])
+    torch.testing.assert_close(seen["x"], expected, rtol=0, atol=0)
 
 
 def test_the_initialisations():
