@@ -82,9 +82,11 @@ SPECIAL_CASES = {
 
 
 def test_the_experiment_files_are_one_per_setting_and_the_special_cases():
-    settings = ["faster_rcnn_swin_t", "iwslt14", "llama_130m", "llama_1b", "llama_71m",
-                "mask_rcnn_swin_t", "swin_t", "swin_t_cifar10", "swin_t_cifar100", "t2t_vit_14",
-                "t2t_vit_14_cifar10", "t2t_vit_14_cifar100", "wmt14"]
+    settings = ["faster_rcnn_swin_t", "gin_cluster", "gin_freesolv", "gin_pattern",
+                "graph_transformer_cluster", "graph_transformer_freesolv",
+                "graph_transformer_pattern", "iwslt14", "llama_130m", "llama_1b", "llama_71m",
+                "mask_rcnn_swin_t", "sentiment", "swin_t", "swin_t_cifar10", "swin_t_cifar100",
+                "t2t_vit_14", "t2t_vit_14_cifar10", "t2t_vit_14_cifar100", "wmt14"]
     assert open_norm_settings() == settings
     assert sorted(path.stem for path in EXP.glob("*.yaml")) == sorted([*settings, *SPECIAL_CASES])
 

@@ -346,8 +346,8 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path):
         proc = run_script("scripts/train.py", *mistyped, "scale=cpu", f"hydra.run.dir={launched}")
         assert proc.returncode != 0 and not launched.exists()
         assert proc.stderr.splitlines() == [
-            "+exp=swin_t_uun is no experiment. Closest: swin_t_un, swin_t_pn, swin_t_ln, swin_t_bn, "
-            "swin_t_bcn"]  # difflib's closest, not Hydra's list of every experiment
+            "+exp=swin_t_uun is no experiment. Closest: swin_t_un, swin_t_pn, swin_t_ln, swin_t_gn, "
+            "swin_t_bn"]  # difflib's closest, not Hydra's list of every experiment
 
 
 def test_finetuning_resets_norm_steps_and_scales_the_backbone_lr(tmp_path):
