@@ -21,7 +21,7 @@ from plugins.graph.model import full_attention, sparse_attention
 from plugins.graph.norms import GRAPH_NORMS, NodeNorm
 from plugins.graph.trainer import train
 from plugins.runlog import FINISHED
-from test_vision import config, free_port
+from test_vision import config, free_port, train_as_replica
 
 
 def _random_batch(sizes=(5, 7, 4), channels=8, p=0.5, seed=0) -> Batch:
@@ -286,15 +286,6 @@ def test_bad_settings_are_refused_by_name():
                  graph_level=True)
 
 
-def _replica(rank, port, runs):
-    import os
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    for overrides, run_dir in runs:
-        train(config(*overrides), Path(run_dir))
-
-
 @pytest.mark.slow
 def test_two_gloo_replicas_train_in_float32_and_under_a_bf16_cast(tmp_path):
     """2 replicas (DDP, gloo) in float32 and under bf16 autocast: both finish, UN counts its
@@ -304,7 +295,7 @@ def test_two_gloo_replicas_train_in_float32_and_under_a_bf16_cast(tmp_path):
     base = [f"+exp=graph_transformer_cluster_un", "scale=cpu", *TINY, *TINY_DATA["cluster"],
             *QUICK["un"]]
     runs = [([*base, f"amp={amp}"], str(tmp_path / amp)) for amp in ("false", "bf16")]
-    mp.start_processes(_replica, args=(free_port(), runs), nprocs=2, start_method="spawn")
+    mp.start_processes(train_as_replica, args=(free_port(), runs, train), nprocs=2, start_method="spawn")
     results = {amp: json.loads((tmp_path / amp / "result.json").read_text()) for amp in ("false", "bf16")}
     states = {amp: load_checkpoint(tmp_path / amp / "last.pt")["model"] for amp in results}
     for amp, result in results.items():

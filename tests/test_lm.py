@@ -106,16 +106,6 @@ def test_batch_statistics_see_the_future_and_per_position_norms_do_not(norm):
         assert not future_leak(build_lm(cfg.model, cfg.norm, vocab_size=300), inputs)["leaks"]
 
 
-def _lm_replica(rank, port, runs):
-    """Replica ``rank`` of two (gloo, as under torchrun) training each ``(overrides, run)``."""
-    import os
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    for overrides, run_dir in runs:
-        train(config(*overrides), Path(run_dir))
-
-
 @pytest.mark.slow
 def test_the_scale_path_runs_on_a_cpu_with_two_replicas_and_accumulation(corpus_root, tmp_path):
     """The GPU scale path rehearsed on a CPU, 2 gloo replicas x 2 accumulated micro-batches
@@ -123,13 +113,13 @@ def test_the_scale_path_runs_on_a_cpu_with_two_replicas_and_accumulation(corpus_
     with unnorm.GradScaler (its scale in last.pt); both train as float32 does, and UN counts
     every micro-batch alike."""
     import torch.multiprocessing as mp
-    from test_vision import free_port
+    from test_vision import free_port, train_as_replica
 
     base = ["+exp=llama_71m_un", "logger=none", "device=cpu", "scale.num_workers=0",
             f"data.root={corpus_root}", "norm.warmup_iters=2", *TINY_MODEL, *TINY_RECIPE,
             "recipe.micro_batch_size=2"]  # 8 sequences per update: 2 replicas x 2 x 2
     runs = [([*base, f"amp={amp}"], str(tmp_path / amp)) for amp in ("false", "bf16", "fp16")]
-    mp.start_processes(_lm_replica, args=(free_port(), runs), nprocs=2, start_method="spawn")
+    mp.start_processes(train_as_replica, args=(free_port(), runs, train), nprocs=2, start_method="spawn")
     results = {amp: json.loads((tmp_path / amp / "result.json").read_text())
                for amp in ("false", "bf16", "fp16")}
     for amp, result in results.items():

@@ -143,6 +143,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in 10000-{first_ephemeral - 1} after 200 tries")
 
 
+def train_as_replica(rank, port, runs, train):
+    """Replica ``rank`` of two (gloo, as under torchrun) training each ``(overrides, run)``
+    with a task's ``train``: the body ``torch.multiprocessing`` spawns."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    for overrides, run_dir in runs:
+        train(config(*overrides), Path(run_dir))
+
+
 def named_norm_state(model) -> dict[str, torch.Tensor]:
     """A copy of every buffer of every norm with running state, by name."""
     return {f"{name}.{key}": buffer.clone() for name, module in model.named_modules()
