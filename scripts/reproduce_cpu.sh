@@ -37,8 +37,8 @@
 #   sentiment   every norm on the Rotten Tomatoes encoder at the CPU recipe (Post-LN placement)
 #   sentiment_grid  the course study's grid (docs/text_classification.md#the-study-s-grid): plain
 #               SGD, no warm-up, 7 learning rates x depth 1, 5 x widths 16, 32, 64: LN, BN, NoNorm
-#               at Post first, then UN, RMS, DyT, PRepBN, then all seven at Pre; U(-0.1, 0.1)
-#               and U(-100, 100) initialisations (records in results/sentiment_grid, apart)
+#               at Post first, with their U(-0.1, 0.1) and U(-100, 100) initialisations, then
+#               UN, RMS, DyT, PRepBN, then all seven at Pre (records in results/sentiment_grid, apart)
 #   sam         LN, BN and UN on {Swin-T, T2T-ViT}: SAM, SAM-ON and ASAM-ON (five seeds), and
 #               norm-only training with and without the head (three); the base optimizer: the
 #               main runs
@@ -162,9 +162,14 @@ sentiment_runs() {
       for width in 32 16 64; do for norm in $norms; do for depth in 1 5; do for lr in $SENTIMENT_RATES; do
         echo "sentiment_grid/${placement}_d${depth}_w${width}_${norm}_lr$lr +exp=sentiment_$norm $SENTIMENT_GRID model.norm_position=$placement model.depth=$depth model.width=$width model.ffn=$((4 * width)) recipe.lr=$lr"
       done; done; done; done
+      [[ $placement == post && $norms == "ln bn nonorm" ]] && sentiment_uniform_runs
     done
   done
-  for norm in ln bn nonorm; do for depth in 1 5; do for a in 0.1 100; do  # the normal width
+}
+
+sentiment_uniform_runs() {  # the study's two initialisations, at the normal width
+  local norm depth a
+  for norm in ln bn nonorm; do for depth in 1 5; do for a in 0.1 100; do
     echo "sentiment_grid/post_d${depth}_w32_${norm}_lr0.1_uniform$a +exp=sentiment_$norm $SENTIMENT_GRID model.norm_position=post model.depth=$depth model.width=32 model.ffn=128 recipe.lr=0.1 model.init=uniform model.init_range=$a"
   done; done; done
 }
