@@ -20,9 +20,11 @@ import statistics
 from pathlib import Path
 
 import yaml
+from scipy import stats
 
 from analysis.landscape import LANDSCAPE_FILE, plot_landscape, read_landscape
 from analysis.runs import load_runs
+from analysis.significance import holm
 from analysis.tables import Table
 
 GROUP = "sentiment_grid"  # the records: results/sentiment_grid/<name>
@@ -199,6 +201,85 @@ def landscape_table(cells: dict) -> Table:
                   "(`record_landscape=100`), median and max over the run's probes."])
 
 
+#: Santurkar et al. (2018)'s claim, per pair: the first norm's landscape is the smoother
+SMOOTHER_PAIRS = [("bn", "nonorm"), ("ln", "nonorm"), ("bn", "ln"), ("un", "nonorm"),
+                  ("rms", "nonorm"), ("dyt", "nonorm"), ("prepbn", "nonorm")]
+#: their three measures along the update (docs/analysis.md#loss-landscape-along-the-update)
+SMOOTHNESS = {"loss range": lambda probe: probe["loss_max"] - probe["loss_min"],
+              "gradient predictiveness": lambda probe: probe["predictiveness"],
+              "beta": lambda probe: probe["beta"]}
+MIN_PAIRED = 6  # below it, Wilcoxon's two-sided p cannot fall under 0.05
+
+
+def paired_log_ratios(cells: dict, placement: str, norm: str, reference: str, measure) -> list:
+    """log(norm's / reference's) median of ``measure`` over the probes both runs of a cell
+    recorded (the same updates: a run that diverged early is compared where it still ran), one
+    value per cell (depth, width, rate) the two share. A non-finite median (the probes left the
+    numbers) is the rougher side: its ratio is infinite; a cell where both are, or either is
+    zero, is left out."""
+    ratios = []
+    for (place, depth, width, name, rate, uniform), cell in sorted(cells.items()):
+        other = _cell(cells, place, depth, width, reference, rate)
+        if (place, name, uniform) != (placement, norm, None) or not other:
+            continue
+        steps = {probe["step"] for probe in cell["probes"]} & {
+            probe["step"] for probe in other["probes"]}
+        values = [statistics.median(measure(probe) for probe in run["probes"]
+                                    if probe["step"] in steps) for run in (cell, other)
+                  ] if steps else []
+        if not values or sum(map(math.isfinite, values)) == 0 or min(values) <= 0:
+            continue
+        ratios.append(math.log(values[0] / values[1]) if all(map(math.isfinite, values))
+                      else (math.inf if math.isfinite(values[1]) else -math.inf))
+    return ratios
+
+
+def signed_rank_p(ratios: list[float]) -> float:
+    """Wilcoxon's two-sided signed-rank p; an infinite ratio ranks beyond every finite one."""
+    finite = [abs(r) for r in ratios if math.isfinite(r)]
+    beyond = 2 * max(finite, default=1.0) + 1
+    return stats.wilcoxon([r if math.isfinite(r) else math.copysign(beyond, r)
+                           for r in ratios]).pvalue
+
+
+def smoother_table(cells: dict) -> Table:
+    """Santurkar et al.'s finding (BN's landscape smoother than without it), paired over the
+    grid's cells: per pair of norms and measure, the Wilcoxon signed-rank test of the log
+    ratios, Holm's correction over the table's tests."""
+    found = []
+    for placement in ("post", "pre"):
+        for norm, reference in SMOOTHER_PAIRS:
+            for label, measure in SMOOTHNESS.items():
+                ratios = paired_log_ratios(cells, placement, norm, reference, measure)
+                if ratios:
+                    p = signed_rank_p(ratios) if len(ratios) >= MIN_PAIRED else None
+                    found.append((placement, norm, reference, label, ratios, p))
+    tested = [row[-1] for row in found if row[-1] is not None]
+    adjusted = iter(holm(tested))
+    rows = []
+    for placement, norm, reference, label, ratios, p in found:
+        smaller = sum(ratio < 0 for ratio in ratios)
+        test = "too few cells: no test" if p is None else f"p = {p:.2g}"
+        if p is not None and next(adjusted) < 0.05:
+            test += " **"
+        rows.append([placement, f"{norm} vs {reference}", label, str(len(ratios)),
+                     f"{smaller} of {len(ratios)}",
+                     f"{math.exp(statistics.median(ratios)):.3g}", test])
+    return Table("Sentiment grid: landscape by norm, paired over cells",
+                 ["placement", "pair", "measure", "cells", "first smaller", "median ratio",
+                  "Wilcoxon"],
+                 rows,
+                 ["Santurkar et al. (2018): with BN, the loss range along the update, the "
+                  "gradient's change along it (predictiveness) and the effective "
+                  "beta-smoothness are smaller than without. Each cell (depth, width, rate; "
+                  "default initialisation) gives one ratio, the first norm's median over the "
+                  "probes both runs recorded over the second's; median ratio below 1: the first "
+                  "is the smoother; a side whose probes left the numbers (inf, nan) is the rougher. "
+                  "Wilcoxon's signed-rank test of the log ratios, two-sided "
+                  f"(no test under {MIN_PAIRED} cells); **: under 0.05 after Holm's correction "
+                  "over the table's tests. One seed per cell."])
+
+
 def init_table(cells: dict) -> Table:
     rows = []
     for depth in (1, 5):
@@ -226,7 +307,7 @@ def tables(cells: dict, study: dict) -> list[Table]:
         return []
     found = [convergence_table(cells, study, "post"), agreement_table(cells, study),
              convergence_table(cells, study, "pre"), gradient_table(cells),
-             landscape_table(cells), init_table(cells)]
+             landscape_table(cells), smoother_table(cells), init_table(cells)]
     return [table for table in found if table.rows]
 
 

@@ -54,3 +54,34 @@ def test_the_outcomes_follow_the_rule_and_sit_beside_the_studys(tmp_path):
     assert [row[:2] for row in gradients] == [["5", "ln"], ["5", "bn"]]
     assert gradients[0][3] == "0.5, 0.25, 1"
     assert sentiment_grid.tables({}, study) == []
+
+
+def _probe(step: int, beta: float, spread: float) -> dict:
+    return {"step": step, "beta": beta, "predictiveness": beta, "loss_min": 1.0,
+            "loss_max": 1.0 + spread, "lipschitz": spread, "smoothness": beta}
+
+
+def test_the_smoother_landscape_is_tested_paired_over_cells_on_the_probes_both_runs_made(tmp_path):
+    # BN's beta under NoNorm's by a different factor at each rate; at rate 10 NoNorm's only
+    # probe is not finite (diverged); BN's probe at 200, which NoNorm lacks, must not count
+    factors = [0.5 - 0.05 * i for i in range(len(sentiment_grid.RATES))]
+    for rate, factor in zip(sentiment_grid.RATES, factors):
+        nonorm = ([_probe(0, math.inf, 1.0)] if rate == "10" else
+                  [_probe(0, 2.0, 1.0), _probe(100, 4.0, 1.0)])
+        bn = [_probe(0, 2.0 * factor, 3.0), _probe(100, 4.0 * factor, 3.0), _probe(200, 1e6, 3.0)]
+        _run(tmp_path, f"post_d5_w32_nonorm_lr{rate}", "ok", [0.7, 0.5], nonorm)
+        _run(tmp_path, f"post_d5_w32_bn_lr{rate}", "ok", [0.7, 0.5], bn)
+    cells = sentiment_grid.read_grid(tmp_path)
+    rows = {(row[1], row[2]): row[3:] for row in sentiment_grid.smoother_table(cells).rows}
+    beta = rows[("bn vs nonorm", "beta")]
+    n = len(factors)
+    # six finite ratios (the factors of rates 1 ... 0.0001) and one -inf: the median of the
+    # seven log ratios is the fourth smallest, and every sign is negative, so Wilcoxon's exact
+    # two-sided p is 2 / 2^7
+    expected_median = sorted([-math.inf] + [math.log(f) for f in factors[1:]])[n // 2]
+    assert beta[:3] == [str(n), f"{n} of {n}", f"{math.exp(expected_median):.3g}"]
+    assert beta[3] == f"p = {2 / 2 ** n:.2g} **"
+    # the loss range: BN's is 3x NoNorm's at every cell, a tie in every magnitude
+    spread = rows[("bn vs nonorm", "loss range")]
+    assert spread[:3] == [str(n), f"0 of {n}", "3"]
+    assert ("ln vs nonorm", "beta") not in rows  # no LN runs: no row
