@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .base import affine, channel_products, replicas_active, snapshot, upcast
-from .sample import SampleStatistics, check_layout, group_deviations, resolve_groups
+from .base import affine, replicas_active, snapshot, upcast
+from .sample import GroupStandardize, SampleStatistics, check_layout, resolve_groups
 from .simple import BatchNorm, batch_moments
 
 
@@ -92,42 +92,13 @@ class BatchChannelNorm(SampleStatistics, BatchNorm):
 
     def _then(self, out, valid):
         """The channel part: each sample's groups standardised, then the per-group affine;
-        per token in channel order and untapped, ``_GroupStandardize``."""
+        per token in channel order and untapped, ``unnorm.sample.GroupStandardize``."""
         if self.layout == "token" and self._grouping is None and not self._tapped:
             weight, bias = (self._per_group(upcast(p), self.groups)
                             for p in (self.group_weight, self.group_bias))
-            return _GroupStandardize.apply(out, weight, bias, self.groups, self.group_eps)
+            return GroupStandardize.apply(out, weight, bias, self.groups, self.group_eps)
         mean, var = self._sample_moments(out, self.groups, valid)
         normed = (out - mean) / torch.sqrt(var + self.group_eps)
         return torch.addcmul(self._per_group(upcast(self.group_bias), self.groups), normed,
                              self._per_group(upcast(self.group_weight), self.groups))
 
-
-
-class _GroupStandardize(torch.autograd.Function):
-    """Each row's channel groups standardised, then ``weight * z + bias`` per channel, with its
-    backward by hand (issue 51): a group norm of rows without positions, which torch's
-    GroupNorm kernel runs at 8x a LayerNorm's cost on a CPU. With ``g = dy weight``, z and r
-    each group's ``1 / std``: ``dx = r (g - mean(g) - z mean(g z))`` over the group,
-    ``dweight = sum(dy z)``, ``dbias = sum(dy)``."""
-
-    @staticmethod
-    def forward(ctx, rows, weight, bias, groups, eps):
-        deviations, _, rstd = group_deviations(rows, groups, eps)
-        ctx.save_for_backward(deviations, rstd, weight)
-        return affine((deviations * rstd).view(rows.shape), weight, bias, inplace=True)
-
-    @staticmethod
-    def backward(ctx, dy):
-        deviations, rstd, weight = ctx.saved_tensors
-        shape = deviations.shape
-        z = deviations * rstd
-        dweight, dbias = channel_products(dy, z.view(dy.shape))
-        grad = (dy * weight).view(shape)
-        mean_grad = grad.mean(dim=-1, keepdim=True)
-        mean_grad_z = z.mul_(grad).mean(dim=-1, keepdim=True)
-        dx = grad.mul_(rstd).sub_(rstd * mean_grad).addcmul_(deviations,
-                                                             -rstd.square() * mean_grad_z)
-        needs = ctx.needs_input_grad
-        return (dx.view(dy.shape), dweight if needs[1] else None, dbias if needs[2] else None,
-                None, None)

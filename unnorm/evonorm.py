@@ -28,7 +28,8 @@ from torch import nn
 from .base import (ChannelNorm, GuardedNorm, affine, builds_graph, channel_mean_sq,
                    channel_products, channel_sum, check_momentum, commit_call, replicas_active,
                    row_count, upcast)
-from .sample import SampleStatistics, check_layout, group_deviations, resolve_groups
+from .sample import (SampleStatistics, check_layout, group_deviations, group_sums,
+                     resolve_groups)
 from .simple import CausalStatistics, batch_moments
 
 
@@ -205,29 +206,29 @@ class _S0Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, v, weight, bias, groups, eps):
-        deviations, mean, rstd = group_deviations(rows, groups, eps)
+        deviations, mean, rstd, squares = group_deviations(rows, groups, eps)
         s = torch.mul(rows, v, out=deviations.view(rows.shape)).sigmoid_()
-        out = rows * s
-        out.view(deviations.shape).mul_(rstd)
-        ctx.groups = groups
+        out = torch.mul(rows, s, out=squares.view(rows.shape))
+        out.view(squares.shape).mul_(rstd)
+        ctx.size = squares.shape[1]
         ctx.save_for_backward(rows, v, weight, s, mean, rstd)
         return affine(out, weight, bias, inplace=True)
 
     @staticmethod
     def backward(ctx, dy):
         rows, v, weight, s, mean, rstd = ctx.saved_tensors
-        shape = (rows.shape[0], ctx.groups, rows.shape[1] // ctx.groups)
+        shape = (-1, ctx.size)
         q = rows * s
         q.view(shape).mul_(rstd)
         dweight, dbias = channel_products(dy, q)
         dh = dy * weight  # dL/dq, then dL/dh
-        by_r = q.mul_(dh).view(shape).sum(dim=-1, keepdim=True) / rstd  # dL/dr per group
+        by_r = group_sums(q.mul_(dh), ctx.size).div_(rstd)  # dL/dr per group
         dh.view(shape).mul_(rstd)
         through_s = torch.sub(1, s).mul_(s).mul_(rows).mul_(dh)  # dh x s (1 - s)
         dv = channel_products(through_s, rows)[0]
         dx = dh.mul_(s).addcmul_(through_s, v)
         centred = torch.sub(rows.view(shape), mean, out=q.view(shape))
-        dx.view(shape).addcmul_(centred, by_r * rstd.pow(3) / -shape[-1])
+        dx.view(shape).addcmul_(centred, by_r.mul_(rstd.pow(3)).div_(-ctx.size))
         needs = ctx.needs_input_grad
         return (dx, dv, dweight if needs[2] else None, dbias if needs[3] else None, None,
                 None)

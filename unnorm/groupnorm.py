@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ChannelNorm, channel_mean_sq, upcast
-from .bcn import _GroupStandardize
-from .sample import SampleStatistics, check_layout, resolve_groups
+from .sample import GroupStandardize, SampleStatistics, check_layout, resolve_groups
 
 
 class GroupNorm(SampleStatistics, ChannelNorm):
@@ -62,7 +61,7 @@ class GroupNorm(SampleStatistics, ChannelNorm):
         if self._examples is None and self.groups == 1:
             return F.layer_norm(rows, (self.num_features,), weight, bias, self.eps)
         if self._examples is None:
-            return _GroupStandardize.apply(rows, weight, bias, self.groups, self.eps)
+            return GroupStandardize.apply(rows, weight, bias, self.groups, self.eps)
         maps = rows.reshape(self._examples, -1, self.num_features).transpose(1, 2)
         out = F.group_norm(maps, self.groups, weight, bias, self.eps)
         return out.transpose(1, 2).reshape(rows.shape)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .base import zero_padding
+from .base import channel_products, zero_padding
 
 LAYOUTS = ("token", "image")
 
@@ -96,18 +96,74 @@ def sample_moments(rows: torch.Tensor, groups: int, valid: Optional[torch.Tensor
     return mean, var
 
 
-def group_deviations(rows: torch.Tensor, groups: int,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(deviations, mean, rstd)`` of each row's ``groups`` channel groups: ``(N, G, C/G)``
-    deviations from the group's mean, and its mean and ``1 / sqrt(biased var + eps)``,
-    ``(N, G, 1)``; not differentiable (for hand-written backwards). Two passes, the mean,
-    then the norm of the deviations: ``var_mean``'s CPU kernel ran 30x slower on groups of a
-    dozen channels, and torch's GroupNorm kernel 8x, over rows without positions."""
-    grouped = rows.reshape(rows.shape[0], groups, rows.shape[1] // groups)  # 0 rows too
-    mean = grouped.mean(dim=-1, keepdim=True)
-    deviations = grouped - mean
-    norms = torch.linalg.vector_norm(deviations, dim=-1, keepdim=True)
-    return deviations, mean, torch.rsqrt(norms.square() / grouped.shape[-1] + eps)
+#: compiled, groups of more channels than this are summed by inductor's own reduction, fused
+#: with its neighbours; fewer, by BLAS (measured at 12 and 3: ViT's and Swin's 32 groups)
+FUSED_GROUP_SUM_ABOVE = 8
+
+
+def group_sums(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``(M, 1)``: each run of ``size`` consecutive values summed (one channel group of a
+    token), as a matrix-vector product of the ``(M, size)`` view with ones. A reduction over a
+    dim of 3-12 values is the slow case of torch's CPU reduction kernels: ``sum(dim=-1)`` ran
+    1.5x (12 values) and 3.7x (3 values) the BLAS product (issue 51; 1 thread, n = 20).
+    Compiled, inductor's reduction fused into the passes around it won at 12 values (a BLAS
+    call is a pass of its own) and lost at 3 (gn's step 1.7-1.9x slower than with BLAS)."""
+    flat = values.reshape(-1, size)
+    if torch.compiler.is_compiling() and size > FUSED_GROUP_SUM_ABOVE:
+        return flat.sum(dim=-1, keepdim=True)
+    return flat @ values.new_ones(size, 1)
+
+
+def group_deviations(rows: torch.Tensor, groups: int, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(deviations, mean, rstd, squares)`` of each row's ``groups`` channel groups, the
+    ``(N G, C/G)`` deviations from each group's mean, its mean and ``1 / sqrt(biased var +
+    eps)``, ``(N G, 1)``, and the squared deviations (a tensor of the caller's to overwrite);
+    not differentiable (for hand-written backwards). Two passes for the variance, as torch's
+    kernels (no cancellation of a large mean), each sum a ``group_sums``; a per-group value
+    meets its group's channels as an ``(N G, 1)`` broadcast over the ``(N G, C/G)`` view."""
+    size = rows.shape[1] // groups
+    mean = group_sums(rows, size).div_(size)
+    deviations = torch.sub(rows.reshape(-1, size), mean)
+    squares = torch.mul(deviations, deviations)
+    rstd = group_sums(squares, size).div_(size).add_(eps).rsqrt_()
+    return deviations, mean, rstd, squares
+
+
+class GroupStandardize(torch.autograd.Function):
+    """Each row's channel groups standardised, then ``weight * z + bias`` per channel, with its
+    backward by hand (issue 51): the per-token group norm of ``gn`` and BCN's channel part,
+    which torch's GroupNorm kernel runs at 8x a LayerNorm's cost on a CPU (rows without
+    positions). Saves z and each group's ``r = 1 / std``. With ``g = dy weight``: ``dx = r (g
+    - mean(g) - z mean(g z))`` over the group, ``dweight = sum(dy z)``, ``dbias = sum(dy)``;
+    four ``(N, C)`` allocations in all (forward: z, the output; backward: g, dx), two
+    broadcasts of per-group values each way."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, groups, eps):
+        z, _, rstd, squares = group_deviations(rows, groups, eps)
+        z = z.mul_(rstd).view(rows.shape)
+        ctx.size = rows.shape[1] // groups
+        ctx.save_for_backward(z, rstd, weight)
+        if bias is None:
+            return torch.mul(z, weight, out=squares.view(rows.shape))
+        return torch.addcmul(bias, z, weight, out=squares.view(rows.shape))
+
+    @staticmethod
+    def backward(ctx, dy):
+        z, rstd, weight = ctx.saved_tensors
+        size = ctx.size
+        dweight, dbias = channel_products(dy, z)
+        grad = dy * weight
+        product = grad * z
+        # -r mean(g) and -r mean(g z) per group, then dx = r g - r mean(g) - r mean(g z) z
+        shift = group_sums(grad, size).mul_(rstd / -size)
+        slope = group_sums(product, size).mul_(rstd / -size)
+        dx = torch.addcmul(shift, z.view(-1, size), slope, out=product.view(-1, size))
+        dx = dx.addcmul_(grad.view(-1, size), rstd)
+        needs = ctx.needs_input_grad
+        return (dx.view(dy.shape), dweight if needs[1] else None, dbias if needs[2] else None,
+                None, None)
 
 
 class SampleStatistics:
