@@ -299,4 +299,5 @@ class _B0Step(torch.autograd.Function):
         centred = torch.sub(rows, batch_mean, out=centred)
         dx = dx.addcmul_(centred, d_batch_std / (batch_std * rows.shape[0]))
         needs = ctx.needs_input_grad
-        return (dx, minus_2dv / -2, dweight if needs[2] else None, dbias if needs[3] else None, None)
+        return (dx, minus_2dv / -2, dweight if needs[2] else None, dbias if needs[3] else None,
+                None)
