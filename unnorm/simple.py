@@ -96,7 +96,7 @@ class _RMSNormStep(torch.autograd.Function):
             dy, rows, [channels], torch.zeros_like(inv), inv, weight, bias,
             [True, weight is not None and needs[1], bias is not None and needs[2]])
         mean_g = dy.mean(-1) if weight is None else torch.mv(dy, weight).div_(channels)
-        return dx.addcmul_(inv, mean_g.unsqueeze(-1)), dweight, dbias, None
+        return dx.add_(inv * mean_g.unsqueeze(-1)), dweight, dbias, None
 
 
 class NoNorm(ChannelNorm):
