@@ -155,7 +155,7 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
         if self._fused_call(rows, valid):
             out, var = _B0Step.apply(rows, upcast(self.v), *self._affine_weights(), self.eps)
             plain = rows.detach()
-            out = self._watch_affine(out, lambda: {"weight": _b0_divide(
+            out = self._watch_affine(out, lambda: {"weight": plain * _b0_inverse(
                 plain, upcast(self.v).detach(), torch.sqrt(var + self.eps), self.eps)[0],
                 "bias": None})
             count = row_count(rows, valid)
@@ -183,8 +183,8 @@ class EvoNormB0(FusedActivation, SampleStatistics, CausalStatistics, GuardedNorm
         if (self.layout == "token" and self._positions is None
                 and not builds_graph(rows, *self.parameters())):  # the hand-written forward
             batch_std = torch.sqrt(statistics["running_var"] + self.eps)
-            return affine(_b0_divide(rows, upcast(self.v), batch_std, self.eps)[0],
-                          *self._affine_weights(), inplace=True)
+            inverse = _b0_inverse(rows, upcast(self.v), batch_std, self.eps)[0]
+            return affine(inverse.mul_(rows), *self._affine_weights(), inplace=True)
         return self._divide(rows, valid, self._per_row(statistics["running_var"], rows))
 
     def _divide(self, rows, valid, batch_var):
@@ -234,22 +234,22 @@ class _S0Step(torch.autograd.Function):
                 None)
 
 
-def _b0_divide(rows, v, batch_std, eps):
-    """``(x / max(batch_std, v x + instance_std(x)), divisor, instance mean and std)`` per
-    token, in three (N, C) allocations (LayerNorm's output among them, unused: its kernel
-    gives the token's moments, where var_mean's ran 7x slower on CPU)."""
-    _, instance_mean, instance_rstd = torch.native_layer_norm(rows, [rows.shape[-1]], None, None,
-                                                              eps)
+def _b0_inverse(rows, v, batch_std, eps):
+    """``(1 / max(batch_std, v x + instance_std(x)), instance mean, instance std)`` per token,
+    in two (N, C) allocations: LayerNorm's kernel gives the token's moments (var_mean's ran 7x
+    slower on CPU), and its output buffer, otherwise unused, takes the right side and then the
+    inverse."""
+    scratch, instance_mean, instance_rstd = torch.native_layer_norm(rows, [rows.shape[-1]],
+                                                                    None, None, eps)
     instance_std = instance_rstd.reciprocal()
-    divisor = _b0_right(rows, v, instance_std)
-    divisor = torch.maximum(divisor, batch_std, out=divisor)
-    return rows / divisor, divisor, instance_mean, instance_std
+    right = _b0_right(rows, v, instance_std, out=scratch)
+    return torch.maximum(right, batch_std, out=right).reciprocal_(), instance_mean, instance_std
 
 
-def _b0_right(rows, v, instance_std):
+def _b0_right(rows, v, instance_std, out=None):
     """``v x + instance_std``, the right side of B0's max (a product, then the per-token term
     in place: addcmul broadcasting the (N, 1) term ran 3x slower on CPU)."""
-    return (rows * v).add_(instance_std)
+    return torch.mul(rows, v, out=out).add_(instance_std)
 
 
 class _B0Step(torch.autograd.Function):
@@ -260,20 +260,15 @@ class _B0Step(torch.autograd.Function):
     sum(dy q)``, ``dbias = sum(dy)``; ``dx = dy weight / d``, plus through R ``dR v`` (``dv =
     sum(dR x)``) and the instance variance ``sum_c dR / (C instance_std) (x - instance_mean)``,
     plus through L the batch variance ``sum_n dL / (N L) (x - batch_mean)``. The forward
-    keeps ``1 / d`` (computed in the buffer LayerNorm's kernel returns with the token's
-    moments), the backward R's share of ``dd`` (``(sign(R - L) + 1) / 2``, recomputed: no
-    third saved (N, C) tensor) and three more (N, C) buffers, each written in place from
-    there on. Returns the output and the batch variance (for the running one)."""
+    keeps ``1 / d`` (``_b0_inverse``), the backward R's share of ``dd`` (``(sign(R - L) +
+    1) / 2``, recomputed: no third saved (N, C) tensor) and three more (N, C) buffers, each
+    written in place from there on. Returns the output and the batch variance (for the running one)."""
 
     @staticmethod
     def forward(ctx, rows, v, weight, bias, eps):
         batch_mean, batch_var = torch.batch_norm_update_stats(rows, None, None, 0.0)
         batch_std = torch.sqrt(batch_var + eps)
-        scratch, instance_mean, instance_rstd = torch.native_layer_norm(rows, [rows.shape[-1]],
-                                                                        None, None, eps)
-        instance_std = instance_rstd.reciprocal()
-        right = torch.mul(rows, v, out=scratch).add_(instance_std)
-        inverse = torch.maximum(right, batch_std, out=right).reciprocal_()
+        inverse, instance_mean, instance_std = _b0_inverse(rows, v, batch_std, eps)
         ctx.save_for_backward(rows, v, weight, inverse, batch_mean, batch_std, instance_mean,
                               instance_std)
         ctx.mark_non_differentiable(batch_var)
@@ -289,7 +284,7 @@ class _B0Step(torch.autograd.Function):
         minus_dd = normed.mul_(dx)
         # R's share of dd is (sign(R - L) + 1) / 2: 1 where R is the larger, 0 where L is, 1/2
         # at a tie; -2 dR = (sign + 1) (-dd), one addcmul into the sign's buffer
-        sign = (rows * v).add_(instance_std).sub_(batch_std).sign_()
+        sign = _b0_right(rows, v, instance_std).sub_(batch_std).sign_()
         minus_2d_right = torch.addcmul(minus_dd, sign, minus_dd, out=sign)
         minus_2dv, minus_2sum_right = channel_products(minus_2d_right, rows)
         d_batch_std = minus_2sum_right / 2 - channel_sum(minus_dd)  # sum_n (dd - dR) = sum_n dL
