@@ -218,7 +218,7 @@ def paired_log_ratios(cells: dict, placement: str, norm: str, reference: str, me
     numbers) is the rougher side: its ratio is infinite; a cell where both are, or either is
     zero, is left out."""
     ratios = []
-    for (place, depth, width, name, rate, uniform), cell in sorted(cells.items()):
+    for (place, depth, width, name, rate, uniform), cell in cells.items():
         other = _cell(cells, place, depth, width, reference, rate)
         if (place, name, uniform) != (placement, norm, None) or not other:
             continue

@@ -71,6 +71,8 @@ def test_the_smoother_landscape_is_tested_paired_over_cells_on_the_probes_both_r
         bn = [_probe(0, 2.0 * factor, 3.0), _probe(100, 4.0 * factor, 3.0), _probe(200, 1e6, 3.0)]
         _run(tmp_path, f"post_d5_w32_nonorm_lr{rate}", "ok", [0.7, 0.5], nonorm)
         _run(tmp_path, f"post_d5_w32_bn_lr{rate}", "ok", [0.7, 0.5], bn)
+    # a uniform initialisation's run is not a cell of the pairing
+    _run(tmp_path, "post_d5_w32_bn_lr0.1_uniform100", "ok", [0.7, 0.5], [_probe(0, 1e-9, 1e-9)])
     cells = sentiment_grid.read_grid(tmp_path)
     rows = {(row[1], row[2]): row[3:] for row in sentiment_grid.smoother_table(cells).rows}
     beta = rows[("bn vs nonorm", "beta")]
