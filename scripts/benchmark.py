@@ -62,9 +62,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import unnorm  # noqa: E402
-from plugins.timm import create_classifier, fold_model  # noqa: E402
-from plugins.torchvision.detectors import build_detector, fold_detector  # noqa: E402
-from plugins.training import no_eager_fallback  # noqa: E402
 
 MODELS = {"swin_t": "swin_tiny_patch4_window7_224", "t2t_vit_14": "t2t_vit_14",
           "mask_rcnn_swin_t": "configs/model/faster_rcnn_swin_t.yaml",  # + masks, as mask_rcnn_swin_t.yaml
@@ -95,11 +92,17 @@ CPU_MEMORY_ROUNDS = 5  # fresh processes per variant for its peak RSS
 SPREAD = "bootstrap 95% interval (2.5-97.5 percentiles) of the median of per-round ratios"
 
 
+# Each framework is imported when a model of it is measured: transformers' import is half of
+# this script's, which every memory probe of a vision model would pay, and timm's (torchvision's
+# with it), like the run skeleton's, is most of an eager bench_norms.py's, which measures neither.
 def build_lm(*args, **kwargs):
-    """``plugins.lm.build_lm``, imported when a language model is measured: transformers'
-    import is half of this script's, which every memory probe of a vision model would pay."""
     from plugins.lm import build_lm
     return build_lm(*args, **kwargs)
+
+
+def create_classifier(*args, **kwargs):
+    from plugins.timm import create_classifier
+    return create_classifier(*args, **kwargs)
 
 
 def build(model: str, variant: str, img_size: int, device: torch.device) -> torch.nn.Module:
@@ -108,6 +111,7 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
     norm = VARIANT_NORMS[variant]
     options = STEADY.get(norm, {})
     if model in DETECTORS:
+        from plugins.torchvision.detectors import build_detector
         config = OmegaConf.load(ROOT / MODELS[model])
         config.masks = True
         config.detector_kwargs = EQUAL_DETECTIONS
@@ -127,6 +131,8 @@ def build(model: str, variant: str, img_size: int, device: torch.device) -> torc
             from plugins.lm.fold import fold_lm
             fold_lm(net, probe=torch.randint(0, LM_VOCAB, (1, 16), generator=generator))
         else:
+            from plugins.timm import fold_model
+            from plugins.torchvision.detectors import fold_detector
             images = torch.randn(1, 3, img_size, img_size, generator=generator)
             (fold_detector if model in DETECTORS else fold_model)(net, probe=images)
     elif variant == "no_norm":
@@ -207,6 +213,7 @@ def compile_side_by_side() -> None:
     as a recompile of that code: past its limit (8) it would run the rest eager, silently.
     Lift the limit for the variants a benchmark holds at once, and make reaching it an error
     (the trainers' ``no_eager_fallback``), for the rest of the process."""
+    from plugins.training import no_eager_fallback  # the run skeleton: what eager runs skip
     no_eager_fallback(recompile_limit=256, accumulated_recompile_limit=4096).__enter__()
 
 

@@ -233,8 +233,10 @@ def test_a_grid_needs_a_positive_rate():
 
 @pytest.mark.slow
 def test_mmdet_records_the_landscape_and_trains_as_without(tmp_path):
-    """record_landscape=1 in the mmdet backend (Mask R-CNN, UN; two updates): a row per
-    update, and the final weights bit for bit those of the run without it."""
+    """record_landscape=1 in the mmdet backend (Mask R-CNN, UN; two updates of two images):
+    a row per update, and the final weights bit for bit those of the run without it. (Each
+    probe is 2 + POINTS passes of the update's batch; whatever it leaves behind, weights,
+    buffers or RNG, differs bit for bit at any batch size.)"""
     from plugins.checkpoints import load_checkpoint
     from plugins.mmdet.runner import train
     from test_mmdet import detection
@@ -245,7 +247,8 @@ def test_mmdet_records_the_landscape_and_trains_as_without(tmp_path):
         run = tmp_path / name
         result = train(config(*detection(tmp_path, "mask_rcnn_swin_t_un", "record_updates=false",
                                          "record_scale_invariance=false",
-                                         "scale.max_steps_per_epoch=2", *more)), run)
+                                         "scale.max_steps_per_epoch=2",
+                                         "recipe.batch_size=2", *more)), run)
         assert result["status"] in ("ok", "chance") and result["steps"] == 2
         weights[name] = load_checkpoint(run / "epoch_1.pth")["state_dict"]
     for key, value in weights["plain"].items():
