@@ -107,11 +107,14 @@ def group_sums(values: torch.Tensor, size: int) -> torch.Tensor:
     dim of 3-12 values is the slow case of torch's CPU reduction kernels: ``sum(dim=-1)`` ran
     1.5x (12 values) and 3.7x (3 values) the BLAS product (issue 51; 1 thread, n = 20).
     Compiled, inductor's reduction fused into the passes around it won at 12 values (a BLAS
-    call is a pass of its own) and lost at 3 (gn's step 1.7-1.9x slower than with BLAS)."""
+    call is a pass of its own) and lost at 3 (gn's step 1.7-1.9x slower than with BLAS).
+    The product runs with autocast off: autocast would take it in bf16, and the statistics
+    stay in the values' dtype (float32)."""
     flat = values.reshape(-1, size)
     if torch.compiler.is_compiling() and size > FUSED_GROUP_SUM_ABOVE:
         return flat.sum(dim=-1, keepdim=True)
-    return flat @ values.new_ones(size, 1)
+    with torch.autocast(values.device.type, enabled=False):
+        return flat @ values.new_ones(size, 1)
 
 
 def group_deviations(rows: torch.Tensor, groups: int, eps: float
