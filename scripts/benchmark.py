@@ -372,13 +372,13 @@ def inference(args, device) -> list[dict]:
                 memory[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
         calls = {key: functools.partial(fn, images[key[0]]) for key, fn in runners.items()}
         times = timed_rounds(calls, args.rounds, device, args.batches)
-    if device.type == "cpu":
+    if device.type == "cpu" and args.memory_rounds:
         probes = {(model, variant, "eager"): functools.partial(cpu_peak_rss, model, variant, args)
                   for model in args.models for variant in variants(model, args.variants)}
         print(f"probing peak RSS in {args.memory_rounds} rounds of {len(probes)} fresh "
               f"processes...", flush=True)
         memory = measured_rounds(probes, args.memory_rounds)
-    else:  # the allocator's count: one measurement is exact
+    elif device.type != "cpu":  # the allocator's count: one measurement is exact
         memory = {key: [mb] for key, mb in memory.items()}
     rows = []
     for (model, variant, mode), seconds in times.items():
@@ -516,8 +516,8 @@ def main() -> None:
     add_shared_options(parser, "--train-norms", rounds=(7, CPU_ROUNDS), warmup=3,
                        norms_help="norms whose training step is timed (LN always, as the baseline)")
     parser.add_argument("--memory-rounds", type=int, default=CPU_MEMORY_ROUNDS,
-                        help="CPU: fresh processes per variant for its peak RSS (GPU: one "
-                             "measurement, exact)")
+                        help="CPU: fresh processes per variant for its peak RSS, 0 for none "
+                             "(gpu_check's rehearsal; GPU: one measurement, exact)")
     parser.add_argument("--rss-probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parse_shared(parser)
     args.train_norms = ln_first(args.train_norms)
@@ -528,9 +528,9 @@ def main() -> None:
     args.batches = args.batches or (10 if gpu else 2)
     if args.rss_probe:
         return rss_probe(*args.rss_probe, args)
-    if not gpu and args.memory_rounds < 2:
+    if not gpu and args.memory_rounds != 0 and args.memory_rounds < 2:
         parser.error(f"--memory-rounds {args.memory_rounds}: a memory ratio's spread needs at "
-                     f"least 2 rounds (default {CPU_MEMORY_ROUNDS})")
+                     f"least 2 rounds (default {CPU_MEMORY_ROUNDS}; 0: no memory probe)")
     run_context = context()
     compile_side_by_side()
     if gpu:

@@ -32,6 +32,8 @@ def test_the_dry_run_runs_every_step_and_keeps_each_record(tmp_path):
     assert inference["context"]["git_commit"] == "c0ffee"  # the copied tree's, as named
     assert {row["variant"] for row in inference["inference"]} == {"ln", "un_folded", "no_norm"}
     assert inference["training"] == []
+    assert inference["memory_rounds"] == 0  # the CPU's peak-RSS probe is not rehearsed
+    assert all(row["peak_mem_mb"] is None for row in inference["inference"])
     training = json.loads((tmp_path / "training_cuda.json").read_text())
     assert {row["norm"] for row in training["training"]} == {"ln", "un"}
     for dtype, modes in (("bfloat16", {"eager"}), ("float32", {"eager"}),
