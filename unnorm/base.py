@@ -661,12 +661,13 @@ def channel_sum_sq(rows: torch.Tensor, valid: Optional[torch.Tensor],
 def channel_products(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum(dy * x), sum(dy))`` per channel of ``(N, C)`` rows. Eager, torch's batch-norm
     backward reductions (at mean 0 and scale 1) read both tensors once and allocate no
-    (N, C) product; compiled, inductor fuses the plain form."""
+    (N, C) product; compiled, inductor fuses the plain form. The weight of ones is passed
+    though it scales nothing here: CUDA's kernel returns an empty weight gradient without one."""
     if torch.compiler.is_compiling() or x.shape[0] == 0:
         return channel_sum(dy * x), channel_sum(dy)
     zeros, ones = x.new_zeros(x.shape[1]), x.new_ones(x.shape[1])
     _, product, total = torch.ops.aten.native_batch_norm_backward(
-        dy, x, None, None, None, zeros, ones, True, 0.0, [False, True, True])
+        dy, x, ones, None, None, zeros, ones, True, 0.0, [False, True, True])
     return product, total
 
 
