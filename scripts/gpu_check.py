@@ -1,5 +1,6 @@
 """The checks of a lent GPU, in order of value within a time budget: the CUDA tests, Table 8 on
-Swin-T (inference), compiled bf16 training steps, every norm per layer, and the LM's norms.
+Swin-T (inference), compiled bf16 training steps, the LM's norms, every norm per layer, every
+norm's training step in whole models, and where a norm's step spends its time.
 
     python scripts/gpu_check.py --out-dir $OUT                 # on the GPU machine, 420 s
     python scripts/gpu_check.py --dry-run --out-dir /tmp/gpu   # every step at toy size, CPU
@@ -42,8 +43,9 @@ TOY_MODEL = [*TOY, "--batch", "1", "--train-batch", "2", "--img-size", "64", "--
 
 def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None]]:
     """``(name, arguments after python, the JSON it writes in out_dir)``, in order of value.
-    Seconds on an H200 (2026-11-28): tests 37, Swin-T inference 185 and training 230 (mostly
-    compiling), the LM 40, each eager norms step about 20, the compiled one 40 for 6 norms."""
+    Seconds on an H200 (2026-11-28): tests 37-45, Swin-T inference 185 and training 230 (mostly
+    compiling), the LM 40, each eager norms step about 20, the compiled one 103 (every norm),
+    the models' eager training steps about 45 a model, the profile 13."""
     def benchmark(out, *args, toy_variant=None):
         toy = [*TOY_MODEL, *(["--variants", toy_variant] if toy_variant else [])]
         return ["scripts/benchmark.py", *args, "--out", str(out_dir / out), *(toy if dry_run else [])]
@@ -75,6 +77,18 @@ def steps(out_dir: Path, dry_run: bool) -> list[tuple[str, list[str], str | None
         norms("bfloat16"),
         norms("float32"),
         norms("bfloat16", compiled=True),
+        # every norm's training step in whole models, eager under bf16 autocast (issue 51)
+        ("models_training_eager",
+         ["scripts/benchmark.py", "--parts", "training", "--no-compile", "--rounds", "7",
+          "--batches", "3", "--train-batch", "64", "--memory-rounds", "0",
+          "--out", str(out_dir / "training_cuda_norms_eager.json"),
+          *([*TOY_MODEL, "--models", "llama_71m", "--train-norms", "ln", "un"] if dry_run
+            else ["--models", "swin_t", "t2t_vit_14", "llama_71m"])],
+         "training_cuda_norms_eager.json"),
+        # host time against device time and kernels per step: whether a norm is launch-bound
+        ("profile_norms", ["scripts/profile_norms.py", *(
+            ["--device", "cpu", "--shape", "2", "8", "16", "--norms", "ln", "un", "--steps", "2"]
+            if dry_run else [])], None),
     ]
 
 

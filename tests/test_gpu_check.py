@@ -12,7 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["tests", "swin_t_inference", "swin_t_training", "llama_71m", "norms_bfloat16",
-         "norms_float32", "norms_bfloat16_compiled"]
+         "norms_float32", "norms_bfloat16_compiled", "models_training_eager", "profile_norms"]
 
 
 def gpu_check(*args):
@@ -26,7 +26,8 @@ def test_the_dry_run_runs_every_step_and_keeps_each_record(tmp_path):
     assert done.returncode == 0, done.stderr + (tmp_path / "gpu_check.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [step["name"] for step in summary["steps"]] == STEPS
-    assert all(step["status"] == "passed" and step["wrote"] for step in summary["steps"])
+    assert all(step["status"] == "passed" and (step["wrote"] or step["out"] is None)
+               for step in summary["steps"])
     assert summary["git_commit"] == "c0ffee" and summary["git_dirty"] is None
     inference = json.loads((tmp_path / "inference_cuda.json").read_text())
     assert inference["context"]["git_commit"] == "c0ffee"  # the copied tree's, as named
@@ -41,6 +42,10 @@ def test_the_dry_run_runs_every_step_and_keeps_each_record(tmp_path):
         norms = json.loads((tmp_path / f"norms_cuda_{dtype}.json").read_text())
         assert {row["dtype"] for row in norms["results"]} == {dtype.split("_")[0]}
         assert {row["mode"] for row in norms["results"]} == modes
+    per_model = json.loads((tmp_path / "training_cuda_norms_eager.json").read_text())
+    assert {(row["model"], row["norm"], row["mode"]) for row in per_model["training"]} == {
+        ("llama_71m", "ln", "eager"), ("llama_71m", "un", "eager")}
+    assert "== un: wall" in (tmp_path / "gpu_check.log").read_text()  # the profile's
     llama = json.loads((tmp_path / "inference_cuda_llama.json").read_text())
     assert {row["variant"] for row in llama["inference"]} == {"ln", "crms_converted", "no_norm"}
 
